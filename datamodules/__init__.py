@@ -1,0 +1,11 @@
+"""Lightning DataModules for language and vision-language model training.
+
+Every source is served through one global sample plan: deterministic order, exact O(1) resume.
+"""
+
+from datamodules.plan_datamodule import PlanDataModule
+from datamodules.sample_plan import PlannedSource, SamplePlan
+from datamodules.token_shard_datamodule import TokenShardDataModule
+from datamodules.token_shards import TokenShards
+
+__all__ = ["PlanDataModule", "PlannedSource", "SamplePlan", "TokenShardDataModule", "TokenShards"]

@@ -1,0 +1,19 @@
+"""Where this process sits in the data-parallel group, read from the Trainer's strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def data_parallel_rank_and_size(trainer: Any | None) -> tuple[int, int]:
+    """``(rank, size)`` of the data-parallel group, or ``(0, 1)`` without a Trainer.
+
+    ``strategy.distributed_sampler_kwargs`` is the data-parallel view for DDP, FSDP and
+    ModelParallel (tensor-parallel peers share a rank there); ``global_rank`` is not.
+    """
+    kwargs = getattr(getattr(trainer, "strategy", None), "distributed_sampler_kwargs", None) or {}
+    size = int(kwargs.get("num_replicas", 1))
+    rank = int(kwargs.get("rank", 0))
+    if not 0 <= rank < size:
+        raise ValueError(f"data-parallel rank {rank} is outside a group of size {size}")
+    return rank, size

@@ -1,0 +1,67 @@
+"""The metadata file written next to token shards, and its validation.
+
+It states what a reader must never guess: the dtype, each shard's token count, document boundaries,
+the tokenizer and a content hash that fingerprints the data for exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METADATA_FILE = "metadata.json"
+DOCUMENT_STARTS_FILE = "document_starts.npy"
+SUPPORTED_DTYPES = ("uint16", "uint32", "int32", "int64")
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    num_tokens: int
+    num_documents: int = 0
+
+
+@dataclass
+class ShardMetadata:
+    """Everything a reader needs to interpret a directory of token shards."""
+
+    dtype: str
+    shards: list[ShardInfo]
+    num_tokens: int
+    num_documents: int
+    tokenizer: str = ""
+    eos_id: int | None = None
+    max_token_id: int = 0
+    content_hash: str = ""
+    document_starts: str | None = DOCUMENT_STARTS_FILE
+    source_fingerprint: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"metadata dtype {self.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+        self.shards = [s if isinstance(s, ShardInfo) else ShardInfo(**s) for s in self.shards]
+        total = sum(s.num_tokens for s in self.shards)
+        if total != self.num_tokens:
+            raise ValueError(f"metadata num_tokens={self.num_tokens} but its shards hold {total} tokens")
+
+    @classmethod
+    def read(cls, directory: Path) -> ShardMetadata:
+        path = Path(directory) / METADATA_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot parse shard metadata {path}: {err}") from err
+
+    def write(self, directory: Path) -> None:
+        path = Path(directory) / METADATA_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+
+def smallest_token_dtype(max_token_id: int) -> str:
+    """uint16 when every id fits, else uint32."""
+    return "uint16" if max_token_id < 2**16 else "uint32"

@@ -1,0 +1,96 @@
+"""Fixed-length training windows over a token stream: the token-shard source of the sample plan.
+
+Window ``i`` is tokens ``[first + i*seq_len, first + i*seq_len + seq_len + 1)``: inputs and their
+next-token labels. Workers return compact raw arrays; tensors are built in the main process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from datamodules.token_shards import TokenShards
+
+IGNORE_INDEX = -100
+
+
+class TokenWindows:
+    """``seq_len + 1``-token windows over tokens ``[first_token, last_token)`` of ``shards``.
+
+    Args:
+        shards: the token stream.
+        seq_len: tokens per training sequence (each window reads one more, for the last label).
+        first_token: first stream token of this split.
+        last_token: end of this split (exclusive); windows never read past it.
+        pack_sequences: also return document boundaries, so batches carry ``position_ids`` that
+            restart in every document, ``document_ids``, and no loss across a document boundary.
+    """
+
+    def __init__(
+        self,
+        shards: TokenShards,
+        seq_len: int,
+        first_token: int = 0,
+        last_token: int | None = None,
+        pack_sequences: bool = False,
+    ) -> None:
+        self.shards = shards
+        self.seq_len = seq_len
+        self.first_token = first_token
+        self.last_token = shards.num_tokens if last_token is None else last_token
+        self.pack_sequences = pack_sequences
+        span = self.last_token - self.first_token
+        if span < seq_len + 1:
+            raise ValueError(
+                f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but {shards.directory} "
+                f"has {span} tokens in this split"
+            )
+        if pack_sequences and shards.document_starts is None:
+            raise ValueError(
+                f"pack_sequences=True needs document boundaries, but {shards.directory} has no "
+                "metadata.json with document_starts; write the shards with python -m datamodules.prepare"
+            )
+        self.num_windows = (span - 1) // seq_len
+        self.fingerprint = f"{shards.fingerprint}:{first_token}:{self.last_token}:{seq_len}:{int(pack_sequences)}"
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Raw windows for sample ``indices``: tokens in the stored dtype, plus document starts."""
+        width = self.seq_len + 1
+        tokens = np.empty((len(indices), width), dtype=self.shards.dtype)
+        starts = self.first_token + np.asarray(indices, dtype=np.int64) * self.seq_len
+        for row, start in zip(tokens, starts.tolist()):
+            self.shards.read_into(start, row)
+        raw = {"tokens": tokens}
+        if self.pack_sequences:
+            doc = self.shards.document_starts
+            lo = np.searchsorted(doc, starts, side="left")
+            hi = np.searchsorted(doc, starts + width, side="left")
+            flags = np.zeros((len(indices), width), dtype=bool)
+            for row, (a, b, start) in enumerate(zip(lo.tolist(), hi.tolist(), starts.tolist())):
+                flags[row, doc[a:b] - start] = True
+            raw["document_starts"] = flags
+        return raw
+
+    def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Tensors per the batch contract: int64 ``input_ids``/``labels`` (shifted), packing extras."""
+        tokens = raw["tokens"]
+        n, width = tokens.shape
+        input_ids = torch.empty((n, width - 1), dtype=torch.int64)
+        labels = torch.empty((n, width - 1), dtype=torch.int64)
+        np.copyto(input_ids.numpy(), tokens[:, :-1], casting="unsafe")
+        np.copyto(labels.numpy(), tokens[:, 1:], casting="unsafe")
+        batch = {"input_ids": input_ids, "labels": labels}
+        if "document_starts" in raw:
+            starts = torch.from_numpy(raw["document_starts"])
+            # The target at t is the first token of a new document: no loss across the boundary.
+            labels.masked_fill_(starts[:, 1:], IGNORE_INDEX)
+            segment = starts[:, :-1].clone()
+            segment[:, 0] = True
+            steps = torch.arange(width - 1).expand(n, -1)
+            last_start = torch.where(segment, steps, 0).cummax(dim=1).values
+            batch["position_ids"] = steps - last_start
+            batch["document_ids"] = segment.cumsum(dim=1) - 1
+        return batch

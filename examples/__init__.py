@@ -1,0 +1,1 @@
+"""Reference models and the quickstart job that the configs and tests train."""

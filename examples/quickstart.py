@@ -1,0 +1,57 @@
+"""The main job on the embedded default corpus: ``python -m examples.quickstart``.
+
+Builds the corpus, trains a tokenizer, writes token shards with the prepare command, then runs
+LightningCLI ``fit`` from ``configs/token_shards.yaml`` and reports tokens/s and the loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import time
+from pathlib import Path
+
+from datamodules.cli import main as cli_main
+from datamodules.prepare import prepare
+from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
+
+log = logging.getLogger("quickstart")
+WORKDIR = Path(".cache/quickstart")
+
+
+def build_shards(workdir: Path) -> Path:
+    files = stdlib_sources() + write_pydoc_topics(workdir / "pydoc_topics")
+    log.info("default corpus: %d documents (stdlib sources and pydoc topics)", len(files))
+    tokenizer = train_tokenizer(files, workdir / "tokenizer")
+    prepare([str(f) for f in files], workdir / "shards", str(tokenizer))
+    return workdir / "shards"
+
+
+def loss_curve(log_dir: str) -> list[float]:
+    with open(Path(log_dir) / "metrics.csv") as f:
+        return [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default="configs/token_shards.yaml")
+    parser.add_argument("overrides", nargs="*", help="extra LightningCLI arguments, e.g. --trainer.max_steps=50")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    build_shards(WORKDIR)
+    cli = cli_main(["--config", args.config, *args.overrides], run=False)
+    trainer, dm = cli.trainer, cli.datamodule
+    started = time.perf_counter()
+    trainer.fit(cli.model, datamodule=dm)
+    seconds = time.perf_counter() - started
+    tokens = dm.positions_consumed * dm.seq_len
+    losses = loss_curve(trainer.logger.log_dir)
+    print(f"\ntrained {trainer.global_step} steps, {tokens:,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s")
+    if losses:
+        print(f"train loss: start {losses[0]:.3f} -> end {losses[-1]:.3f}")
+    print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path}")
+
+
+if __name__ == "__main__":
+    main()
