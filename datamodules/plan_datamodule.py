@@ -144,7 +144,10 @@ class PlanDataModule(LightningDataModule):
             )
             if not self.allow_plan_change:
                 raise ValueError(message + " Pass allow_plan_change=True to resume on the new plan anyway.")
-            log.warning("%s Continuing at position %d because allow_plan_change=True.", message,
-                        state_dict["positions_consumed"])
+            log.warning(
+                "%s Continuing at position %d because allow_plan_change=True.",
+                message,
+                state_dict["positions_consumed"],
+            )
         self._anchor_positions = int(state_dict["positions_consumed"])
         self._anchor_batches = None

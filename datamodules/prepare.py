@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import datasets
@@ -120,7 +120,10 @@ def prepare(
         raise ValueError(f"no documents in {list(inputs)}")
     max_id = int(max(tokenized["max_id"]))
     dtype = smallest_token_dtype(max_id)
-    metadata = _write_shards(tokenized, lengths, output, np.dtype(dtype), shard_tokens)
+    documents = (
+        doc for rows in tokenized.select_columns(["input_ids"]).iter(batch_size=1024) for doc in rows["input_ids"]
+    )
+    metadata = write_shards(documents, lengths, output, np.dtype(dtype), shard_tokens)
     metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer, int(loaded.eos_token_id), max_id
     metadata.source_fingerprint = fingerprint
     metadata.write(output)
@@ -128,27 +131,32 @@ def prepare(
     return metadata
 
 
-def _write_shards(
-    tokenized: datasets.Dataset, lengths: np.ndarray, output: Path, dtype: np.dtype, shard_tokens: int
+def write_shards(
+    documents: Iterator[np.ndarray], lengths: np.ndarray, output: Path, dtype: np.dtype, shard_tokens: int
 ) -> ShardMetadata:
+    """Write ``documents`` (token arrays, EOS included, of the given ``lengths``) as ``.npy`` shards.
+
+    Returns the metadata (not yet written): dtype, per-shard counts and the content hash. Document
+    starts go to ``document_starts.npy``.
+    """
+    output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     for stale in [*output.glob("shard_*.npy"), output / METADATA_FILE]:
         stale.unlink(missing_ok=True)
     total = int(lengths.sum())
-    document_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    document_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     np.save(output / DOCUMENT_STARTS_FILE, document_starts)
-    shard_sizes = [min(shard_tokens, total - start) for start in range(0, total, shard_tokens)]
     shards, digest = [], hashlib.blake2b(digest_size=16)
-    rows = tokenized.select_columns(["input_ids"]).iter(batch_size=1024)
     pending = np.empty(0, dtype=dtype)
     with tqdm(total=total, unit="tok", desc="writing shards") as bar:
-        for i, size in enumerate(shard_sizes):
+        for i, start in enumerate(range(0, total, shard_tokens)):
+            size = min(shard_tokens, total - start)
             name = f"shard_{i:05d}.npy"
             out = np.lib.format.open_memmap(output / name, mode="w+", dtype=dtype, shape=(size,))
             filled = 0
             while filled < size:
                 if pending.size == 0:
-                    pending = np.concatenate([np.asarray(d, dtype=dtype) for d in next(rows)["input_ids"]])
+                    pending = np.asarray(next(documents), dtype=dtype)
                 take = min(size - filled, pending.size)
                 out[filled : filled + take] = pending[:take]
                 digest.update(pending[:take].tobytes())
@@ -156,7 +164,6 @@ def _write_shards(
                 bar.update(take)
             out.flush()
             del out
-            start = sum(shard_sizes[:i])
             docs = int(np.searchsorted(document_starts, start + size) - np.searchsorted(document_starts, start))
             shards.append(ShardInfo(name, size, docs))
     return ShardMetadata(

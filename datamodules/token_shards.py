@@ -92,8 +92,7 @@ class TokenShards:
                 count, offset = size // dtype.itemsize, 0
             if self.metadata is not None and self.metadata.shards[i].num_tokens != count:
                 raise ValueError(
-                    f"shard {path} holds {count} tokens but {METADATA_FILE} says "
-                    f"{self.metadata.shards[i].num_tokens}"
+                    f"shard {path} holds {count} tokens but {METADATA_FILE} says {self.metadata.shards[i].num_tokens}"
                 )
             shards.append(_Shard(str(path), count, offset))
         if dtype.kind not in "iu":

@@ -61,7 +61,7 @@ class TokenWindows:
         width = self.seq_len + 1
         tokens = np.empty((len(indices), width), dtype=self.shards.dtype)
         starts = self.first_token + np.asarray(indices, dtype=np.int64) * self.seq_len
-        for row, start in zip(tokens, starts.tolist()):
+        for row, start in zip(tokens, starts.tolist(), strict=True):
             self.shards.read_into(start, row)
         raw = {"tokens": tokens}
         if self.pack_sequences:
@@ -69,7 +69,7 @@ class TokenWindows:
             lo = np.searchsorted(doc, starts, side="left")
             hi = np.searchsorted(doc, starts + width, side="left")
             flags = np.zeros((len(indices), width), dtype=bool)
-            for row, (a, b, start) in enumerate(zip(lo.tolist(), hi.tolist(), starts.tolist())):
+            for row, (a, b, start) in enumerate(zip(lo.tolist(), hi.tolist(), starts.tolist(), strict=True)):
                 flags[row, doc[a:b] - start] = True
             raw["document_starts"] = flags
         return raw

@@ -47,7 +47,8 @@ def main() -> None:
     seconds = time.perf_counter() - started
     tokens = dm.positions_consumed * dm.seq_len
     losses = loss_curve(trainer.logger.log_dir)
-    print(f"\ntrained {trainer.global_step} steps, {tokens:,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s")
+    print(f"\ntrained {trainer.global_step} steps, {tokens:,} tokens in {seconds:.1f} s")
+    print(f"throughput: {tokens / seconds:,.0f} tokens/s")
     if losses:
         print(f"train loss: start {losses[0]:.3f} -> end {losses[-1]:.3f}")
     print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path}")

@@ -1,0 +1,81 @@
+"""Shared test fixtures: token shards built in the test and a model that records every batch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule
+
+from datamodules.prepare import write_shards
+
+
+def make_token_shards(
+    directory: Path,
+    num_tokens: int,
+    shard_tokens: int | None = None,
+    doc_len: int = 50,
+    dtype: str = "uint32",
+) -> Path:
+    """Shards whose token at stream offset ``t`` is ``t`` (so a window names its own position).
+
+    Documents are ``doc_len`` tokens long (the last may be shorter); metadata is written as the
+    prepare command writes it.
+    """
+    tokens = np.arange(num_tokens, dtype=np.int64)
+    documents = [tokens[i : i + doc_len] for i in range(0, num_tokens, doc_len)]
+    lengths = np.array([len(d) for d in documents], dtype=np.int64)
+    metadata = write_shards(iter(documents), lengths, directory, np.dtype(dtype), shard_tokens or num_tokens)
+    metadata.max_token_id = num_tokens - 1
+    metadata.write(directory)
+    return directory
+
+
+def batch_digest(batch: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for key in sorted(batch):
+        h.update(key.encode())
+        h.update(batch[key].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class RecordingModel(LightningModule):
+    """A one-layer model that records, for every training batch, its digest and window starts.
+
+    Args:
+        record_path: if given, each rank appends its records there as JSON lines
+            (``{path}.rank{r}``), so records survive across processes and restarts.
+    """
+
+    def __init__(self, record_path: str | None = None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.record_path = record_path
+        self.records: list[dict] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        record = {
+            "step": self.global_step,
+            "digest": batch_digest(batch),
+            "starts": batch["input_ids"][:, 0].tolist(),
+        }
+        self.records.append(record)
+        if self.record_path:
+            with open(f"{self.record_path}.rank{self.global_rank}", "a") as f:
+                f.write(json.dumps(record) + "\n")
+        x = (batch["input_ids"][:, :1].float() % 97) / 97
+        return self.layer(x).pow(2).mean()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        pass
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def read_records(record_path: str | Path, rank: int) -> list[dict]:
+    path = Path(f"{record_path}.rank{rank}")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
