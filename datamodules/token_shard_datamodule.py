@@ -51,6 +51,8 @@ class TokenShardDataModule(PlanDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if val_dir is not None and val_fraction > 0:
             raise ValueError(f"give val_dir ({val_dir}) or val_fraction ({val_fraction}), not both")
+        # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
+        data_dir, val_dir = str(data_dir), None if val_dir is None else str(val_dir)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
         self.val_dir = Path(val_dir) if val_dir is not None else None
