@@ -29,6 +29,7 @@ def fit(
     ckpt_every: int = 0,
     resume: Path | None = None,
     seed: int = 1,
+    accumulate: int = 1,
 ) -> list[dict]:
     dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=num_workers, seed=seed)
     model = RecordingModel()
@@ -41,6 +42,7 @@ def fit(
         enable_model_summary=False,
         enable_checkpointing=bool(callbacks),
         callbacks=callbacks,
+        accumulate_grad_batches=accumulate,
     )
     trainer.fit(model, datamodule=dm, ckpt_path=resume)
     return model.records
@@ -130,3 +132,13 @@ def test_allow_plan_change_resumes_at_the_saved_position(tmp_path: Path, shards:
     trainer.fit(model, datamodule=dm, ckpt_path=checkpoint_at(tmp_path, 3))
     assert len(model.records) == 2
     assert dm.positions_consumed == 5 * BATCH
+
+
+def test_resume_with_gradient_accumulation_trains_identical_micro_batches(tmp_path: Path, shards: Path) -> None:
+    expected = fit(shards, 12, 0, accumulate=2)
+    killed = fit(shards, 6, 0, tmp_path, ckpt_every=4, accumulate=2)
+    resumed = fit(shards, 12, 0, resume=checkpoint_at(tmp_path, 4), accumulate=2)
+    assert len(expected) == 24
+    assert [r["digest"] for r in killed if r["step"] < 4] + [r["digest"] for r in resumed] == [
+        r["digest"] for r in expected
+    ]
