@@ -93,3 +93,11 @@ class PlanDataLoader(DataLoader):
             if "valid" in raw:
                 batch["labels"][torch.from_numpy(~raw["valid"])] = IGNORE_INDEX
             yield batch
+
+    # Resume state lives in the DataModule (positions consumed, derived from the training loop).
+    # These two methods only tell Lightning that this loader resumes exactly, so it does not warn.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

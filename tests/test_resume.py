@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,11 @@ def test_resume_with_gradient_accumulation_trains_identical_micro_batches(tmp_pa
     assert [r["digest"] for r in killed if r["step"] < 4] + [r["digest"] for r in resumed] == [
         r["digest"] for r in expected
     ]
+
+
+def test_mid_epoch_resume_does_not_warn_that_the_loader_is_not_resumable(tmp_path: Path, shards: Path) -> None:
+    fit(shards, 4, 0, tmp_path, ckpt_every=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(shards, 6, 0, resume=checkpoint_at(tmp_path, 4))
+    assert not [w for w in caught if "not resumable" in str(w.message)]
