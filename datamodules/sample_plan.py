@@ -1,20 +1,24 @@
 """The global sample plan: a pure function from a global position to (source, index in source).
 
-Order depends only on (seed, sources, position): not on ranks, workers or restarts. Each pass over
-a source is shuffled by a fresh keyed bijection, so nothing is materialized and any position is
-reached in O(1).
+Order depends only on (seed, sources, schedule, position): not on ranks, workers or restarts. Each
+pass over a source is shuffled by a fresh keyed bijection, and a mixture fixes every block's
+per-source counts by its active weights, so nothing is materialized and any position is reached in
+O(number of schedule segments).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from datamodules.permutation import permute, round_keys
+
+# Feistel stream id of the in-block shuffle; sources use their index as stream id.
+_BLOCK_STREAM = 2**32
 
 
 @dataclass(frozen=True)
@@ -26,39 +30,116 @@ class PlannedSource:
     fingerprint: str
 
 
+def largest_remainder_counts(probabilities: tuple[float, ...], total: int) -> tuple[int, ...]:
+    """Integer counts summing to ``total``, each within one of ``total * p``; a zero ``p`` gets 0."""
+    exact = np.asarray(probabilities, dtype=np.float64) * total
+    counts = np.floor(exact).astype(np.int64)
+    # Stable sort: ties go to the earlier source, so the rounding is deterministic.
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: total - int(counts.sum())]] += 1
+    return tuple(int(c) for c in counts)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """From ``first_position`` on, blocks of ``block_size`` positions hold ``counts`` per source."""
+
+    first_position: int
+    block_size: int
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if sum(self.counts) != self.block_size:
+            raise ValueError(f"segment counts {self.counts} do not sum to its block size {self.block_size}")
+
+
 @dataclass(frozen=True)
 class SamplePlan:
     """Maps global positions ``g = 0, 1, 2, ...`` to samples, pass after pass over each source.
 
+    A single source is read pass after pass. Several sources are mixed block by block: from each
+    segment's first position on, every block of ``block_size`` positions (one global batch) holds
+    exactly ``counts[i]`` samples of source ``i``, in a shuffled order. A source that runs out starts
+    a new, freshly shuffled pass.
+
     Args:
-        sources: the sources, in a fixed order (one for a single-source DataModule).
+        sources: the sources, in a fixed order.
         seed: the data-order seed, independent of the model's seed.
         shuffle: shuffle every pass with a fresh bijection; ``False`` reads samples in order.
+        segments: the mixture schedule, first segment at position 0; empty for a single source.
     """
 
     sources: tuple[PlannedSource, ...]
     seed: int = 0
     shuffle: bool = True
+    segments: tuple[Segment, ...] = field(default=())
+    _consumed_before: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.sources) != 1:
-            raise ValueError(f"a sample plan takes exactly one source here, got {len(self.sources)}")
+        if not self.sources:
+            raise ValueError("a sample plan needs at least one source")
         for source in self.sources:
             if source.num_samples <= 0:
                 raise ValueError(f"source {source.name!r} has no samples (num_samples={source.num_samples})")
+        if len(self.sources) > 1 and not self.segments:
+            raise ValueError(f"{len(self.sources)} sources need a mixture schedule (segments)")
+        if self.segments and self.segments[0].first_position != 0:
+            raise ValueError(f"the first segment must start at position 0, not {self.segments[0].first_position}")
+        consumed = np.zeros((len(self.segments), len(self.sources)), dtype=np.int64)
+        for j in range(1, len(self.segments)):
+            prev, seg = self.segments[j - 1], self.segments[j]
+            blocks, partial = divmod(seg.first_position - prev.first_position, prev.block_size)
+            if blocks <= 0 or partial:
+                raise ValueError(
+                    f"segment at position {seg.first_position} must start a whole number of blocks of "
+                    f"{prev.block_size} after the previous one at {prev.first_position}"
+                )
+            if len(seg.counts) != len(self.sources):
+                raise ValueError(f"segment counts {seg.counts} do not name {len(self.sources)} sources")
+            consumed[j] = consumed[j - 1] + blocks * np.asarray(prev.counts)
+        object.__setattr__(self, "_consumed_before", consumed)
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(source ids, sample indices)`` of each global position; vectorized, O(1) per position."""
+        """``(source ids, sample indices)`` of each global position; vectorized."""
         positions = np.asarray(positions, dtype=np.int64)
-        n = self.sources[0].num_samples
-        passes, within = np.divmod(positions, n)
-        if self.shuffle:
-            within = permute(within, n, round_keys(self.seed, 0, passes))
-        return np.zeros_like(positions), within
+        if self.segments:
+            sources, drawn = self._mix(positions)
+        else:
+            sources, drawn = np.zeros_like(positions), positions
+        indices = np.empty_like(positions)
+        for s in np.unique(sources).tolist():
+            mine = sources == s
+            n = self.sources[s].num_samples
+            passes, within = np.divmod(drawn[mine], n)
+            indices[mine] = permute(within, n, round_keys(self.seed, s, passes)) if self.shuffle else within
+        return sources, indices
+
+    def _mix(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source of each position and how many samples that source had drawn before it."""
+        firsts = np.array([seg.first_position for seg in self.segments], dtype=np.int64)
+        which = np.searchsorted(firsts, positions, side="right") - 1
+        sources = np.empty_like(positions)
+        drawn = np.empty_like(positions)
+        for j in np.unique(which).tolist():
+            seg, mine = self.segments[j], which == j
+            block, slot = np.divmod(positions[mine] - seg.first_position, seg.block_size)
+            block_start = positions[mine] - slot
+            slot = permute(slot, seg.block_size, round_keys(self.seed, _BLOCK_STREAM, block_start))
+            ends = np.cumsum(seg.counts)
+            source = np.searchsorted(ends, slot, side="right")
+            rank = slot - (ends - np.asarray(seg.counts))[source]
+            sources[mine] = source
+            drawn[mine] = self._consumed_before[j][source] + block * np.asarray(seg.counts)[source] + rank
+        return sources, drawn
 
     def describe(self) -> dict[str, Any]:
         """The plan's identity as plain values, stored in checkpoints to explain what changed."""
-        return {"seed": self.seed, "shuffle": self.shuffle, "sources": [asdict(s) for s in self.sources]}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "sources": [asdict(s) for s in self.sources],
+            "segments": [[s.first_position, s.block_size, list(s.counts)] for s in self.segments],
+        }
 
     @property
     def fingerprint(self) -> str:

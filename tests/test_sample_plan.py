@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from datamodules.permutation import permute, round_keys
-from datamodules.sample_plan import PlannedSource, SamplePlan, describe_changes
+from datamodules.sample_plan import (
+    PlannedSource,
+    SamplePlan,
+    Segment,
+    describe_changes,
+    largest_remainder_counts,
+)
 
 
 def plan(n: int, seed: int = 0) -> SamplePlan:
@@ -61,3 +67,62 @@ def test_fingerprint_and_description_name_what_changed() -> None:
 def test_a_source_without_samples_is_refused() -> None:
     with pytest.raises(ValueError, match="source 'train' has no samples"):
         plan(0)
+
+
+def mixture(seed: int = 0) -> SamplePlan:
+    sources = (PlannedSource("a", 100, "x"), PlannedSource("b", 30, "y"), PlannedSource("c", 7, "z"))
+    segments = (
+        Segment(0, 10, largest_remainder_counts((0.5, 0.3, 0.2), 10)),
+        Segment(50, 16, largest_remainder_counts((0.0, 0.25, 0.75), 16)),
+    )
+    return SamplePlan(sources, seed=seed, segments=segments)
+
+
+def test_every_mixture_block_holds_exactly_its_segment_counts() -> None:
+    sources, _ = mixture().locate(np.arange(50 + 16 * 20))
+    for block in range(5):
+        assert np.bincount(sources[block * 10 : (block + 1) * 10], minlength=3).tolist() == [5, 3, 2]
+    for block in range(20):
+        first = 50 + block * 16
+        assert np.bincount(sources[first : first + 16], minlength=3).tolist() == [0, 4, 12]
+
+
+def test_each_mixture_source_is_read_pass_after_pass_without_repeats() -> None:
+    p = mixture()
+    for blocks_after_switch in (0, 7, 20):
+        end = 50 + 16 * blocks_after_switch
+        sources, indices = p.locate(np.arange(end))
+        for s, source in enumerate(p.sources):
+            drawn = indices[sources == s]
+            full_passes, extra = divmod(len(drawn), source.num_samples)
+            seen = np.bincount(drawn, minlength=source.num_samples)
+            # Up to a block boundary a source has drawn samples 0..D-1 of its pass sequence.
+            assert set(seen.tolist()) <= {full_passes, full_passes + 1}
+            assert (seen == full_passes + 1).sum() == extra
+
+
+def test_mixture_locate_is_pure_and_seekable_in_any_grouping() -> None:
+    p = mixture(seed=4)
+    positions = np.arange(10**9, 10**9 + 3000)
+    together = p.locate(positions)
+    pieces = [p.locate(chunk) for chunk in np.array_split(positions, 11)]
+    assert np.array_equal(together[0], np.concatenate([s for s, _ in pieces]))
+    assert np.array_equal(together[1], np.concatenate([i for _, i in pieces]))
+
+
+@pytest.mark.parametrize(
+    ("probabilities", "total", "expected"),
+    [((0.5, 0.5), 8, (4, 4)), ((0.0, 1 / 3, 2 / 3), 8, (0, 3, 5)), ((0.1, 0.1, 0.8), 3, (0, 0, 3)), ((1.0,), 5, (5,))],
+)
+def test_largest_remainder_counts_sum_to_the_block_and_never_pick_weight_zero(
+    probabilities: tuple, total: int, expected: tuple
+) -> None:
+    counts = largest_remainder_counts(probabilities, total)
+    assert counts == expected
+    assert all(abs(c - p * total) < 1 for c, p in zip(counts, probabilities, strict=True))
+
+
+def test_a_segment_not_on_a_block_boundary_is_refused() -> None:
+    sources = (PlannedSource("a", 10, "x"), PlannedSource("b", 10, "y"))
+    with pytest.raises(ValueError, match="must start a whole number of blocks of 4"):
+        SamplePlan(sources, segments=(Segment(0, 4, (2, 2)), Segment(6, 4, (1, 3))))
