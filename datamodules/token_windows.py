@@ -59,11 +59,8 @@ class TokenWindows:
     def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Raw windows for sample ``indices``: tokens in the stored dtype, plus document starts."""
         width = self.seq_len + 1
-        tokens = np.empty((len(indices), width), dtype=self.shards.dtype)
         starts = self.first_token + np.asarray(indices, dtype=np.int64) * self.seq_len
-        for row, start in zip(tokens, starts.tolist(), strict=True):
-            self.shards.read_into(start, row)
-        raw = {"tokens": tokens}
+        raw = {"tokens": self.shards.read_windows(starts, width)}
         if self.pack_sequences:
             doc = self.shards.document_starts
             lo = np.searchsorted(doc, starts, side="left")
@@ -78,10 +75,9 @@ class TokenWindows:
         """Tensors per the batch contract: int64 ``input_ids``/``labels`` (shifted), packing extras."""
         tokens = raw["tokens"]
         n, width = tokens.shape
-        input_ids = torch.empty((n, width - 1), dtype=torch.int64)
-        labels = torch.empty((n, width - 1), dtype=torch.int64)
-        np.copyto(input_ids.numpy(), tokens[:, :-1], casting="unsafe")
-        np.copyto(labels.numpy(), tokens[:, 1:], casting="unsafe")
+        # One fresh array per tensor (the consumer may keep a batch), each filled by a single cast.
+        input_ids = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
+        labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
         batch = {"input_ids": input_ids, "labels": labels}
         if "document_starts" in raw:
             starts = torch.from_numpy(raw["document_starts"])
