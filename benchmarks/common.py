@@ -1,0 +1,127 @@
+"""What every benchmark shares: synthetic token shards, page-cache warming and result tables.
+
+Absolute times drift on a shared machine, so each script reports ratios between contenders timed
+in the same run; the tables written here are the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RESULTS_DIR = Path(__file__).parent / "results"
+VOCAB_SIZE = 50_257  # GPT-2's: fits uint16, like most token shards in practice
+_WRITE_CHUNK = 1 << 24  # tokens generated and written per step, so memory stays flat at any size
+
+
+def write_token_shards(directory: Path, num_tokens: int, num_shards: int, seed: int = 0) -> list[Path]:
+    """``num_shards`` uint16 ``.npy`` shards of random token ids, ``num_tokens`` in all.
+
+    The ``.npy`` header carries the dtype, so no ``metadata.json`` is needed to read them.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    sizes = np.full(num_shards, num_tokens // num_shards, dtype=np.int64)
+    sizes[: num_tokens % num_shards] += 1
+    paths = []
+    for i, size in enumerate(sizes.tolist()):
+        path = directory / f"shard_{i:05d}.npy"
+        shard = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(size,))
+        for lo in range(0, size, _WRITE_CHUNK):
+            hi = min(size, lo + _WRITE_CHUNK)
+            shard[lo:hi] = rng.integers(0, VOCAB_SIZE, hi - lo, dtype=np.uint16)
+        shard.flush()
+        del shard
+        paths.append(path)
+    return paths
+
+
+def cached_token_shards(directory: Path, num_tokens: int, num_shards: int) -> list[Path]:
+    """``write_token_shards`` in ``directory``, read once so they sit in the page cache.
+
+    Shards of the right count and size already there (a kept ``--data-dir``) are reused.
+    """
+    paths = sorted(directory.glob("shard_*.npy"))
+    if len(paths) != num_shards or sum(len(np.load(p, mmap_mode="r")) for p in paths) != num_tokens:
+        for path in paths:
+            path.unlink()
+        paths = write_token_shards(directory, num_tokens, num_shards)
+    warm_page_cache(paths)
+    return paths
+
+
+def warm_page_cache(paths: Sequence[Path]) -> int:
+    """Read every file once so timed reads hit the page cache, not the disk; returns bytes read."""
+    total = 0
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 24):
+                total += len(chunk)
+    return total
+
+
+@contextlib.contextmanager
+def data_directory(given: str | None) -> Iterator[Path]:
+    """``given`` (kept afterwards), or a temporary directory removed on exit."""
+    if given is not None:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="datamodules-bench-") as tmp:
+        yield Path(tmp)
+
+
+def results_directory(given: Path | None, quick: bool) -> Path:
+    """``given``, else ``benchmarks/results``; a ``--quick`` smoke run must not overwrite that record."""
+    if given is not None:
+        return given
+    return Path(tempfile.gettempdir()) / "datamodules-benchmarks-quick" if quick else RESULTS_DIR
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(
+    name: str,
+    tables: dict[str, tuple[Sequence[str], Sequence[dict[str, Any]]]],
+    config: dict[str, Any],
+    checks: dict[str, bool],
+    results_dir: Path,
+) -> None:
+    """Print the tables (title: (columns, rows)) and the checks; write ``<name>.json`` and ``<name>.md``."""
+    machine = f"{platform.node()} / {platform.processor() or platform.machine()} / {os.cpu_count()} CPUs"
+    parts = [f"# {name}", ", ".join(f"{k}={v}" for k, v in config.items())]
+    parts += [f"## {title}\n\n{markdown_table(columns, rows)}" for title, (columns, rows) in tables.items()]
+    parts.append("\n".join(f"- {'PASS' if ok else 'FAIL'}: {what}" for what, ok in checks.items()))
+    text = "\n\n".join(parts) + "\n"
+    print(text)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.md").write_text(f"{text}\nMachine: {machine}; run {time.strftime('%Y-%m-%d %H:%M')}.\n")
+    record = {
+        "name": name,
+        "config": config,
+        "tables": {title: list(rows) for title, (_, rows) in tables.items()},
+        "checks": checks,
+        "machine": machine,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    (results_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"results written to {results_dir / name}.{{json,md}}")
