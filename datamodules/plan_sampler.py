@@ -16,7 +16,8 @@ class PlanSampler(DistributedSampler):
 
     Global micro-batch ``s`` of an epoch covers positions ``[P + s*B*R, P + (s+1)*B*R)``; rank ``r``
     reads its contiguous slice ``[P + s*B*R + r*B, ... + B)``. Each ``iter()`` starts at the
-    position the training loop has consumed and runs to the end of that epoch.
+    position the training loop has consumed and runs to the end of that epoch; every rank yields
+    the same number of spans, so DDP ranks never fall out of step.
 
     Args:
         dataset: the plan dataset (only its length is used by ``DistributedSampler``).
@@ -55,6 +56,10 @@ class PlanSampler(DistributedSampler):
         epoch_positions = self.num_batches * stride
         start = self.start_position()
         end = (start // epoch_positions + 1) * epoch_positions
-        for first in range(start + self.rank * self.batch_size, end, stride):
+        # Step over whole global micro-batches so every rank yields the same number of batches, even
+        # when ``start`` is not a multiple of ``stride`` (a resume on a different number of ranks);
+        # the last global batch may then run past ``end`` into the next epoch's positions.
+        for batch_first in range(start, end, stride):
+            first = batch_first + self.rank * self.batch_size
             self.batches_yielded += 1
             yield first, first + self.batch_size
