@@ -1,0 +1,118 @@
+"""Train ``RecordingModel`` on a ``TokenShardDataModule`` and record every batch, per rank.
+
+Run as a standalone script because Lightning's ``ddp`` strategy re-launches ``sys.argv`` for the
+other local ranks. Every Trainer flag that matters for data loading is left at its default
+(``use_distributed_sampler=True`` in particular).
+
+Each rank appends its batch records to ``{record}.rank{global_rank}`` (see ``tests/support.py``)
+and, with ``--info``, writes ``{info}.rank{global_rank}``: where it sat in the data-parallel group,
+which loader and sampler the training loop actually iterated, and the positions consumed.
+
+Example::
+
+    python tests/scripts/train_record.py --data shards/ --seq-len 8 --batch-size 4 \
+        --devices 2 --strategy ddp --max-epochs 1 --record out/records --info out/info
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_TESTS.parent))
+
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from datamodules import TokenShardDataModule  # noqa: E402
+from tests.support import RecordingModel  # noqa: E402
+
+
+class LoaderProbe(Callback):
+    """Notes the DataLoader and sampler the fit loop iterates, at the first training batch."""
+
+    def __init__(self, datamodule: TokenShardDataModule) -> None:
+        self.datamodule = datamodule
+        self.seen: dict | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.seen is not None:
+            return
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        self.seen = {
+            "loader_type": type(loader).__name__,
+            "sampler_type": type(sampler).__name__,
+            "sampler_is_datamodule_sampler": sampler is self.datamodule._sampler,
+            "batch_sampler": None if loader.batch_sampler is None else type(loader.batch_sampler).__name__,
+            "num_training_batches": trainer.num_training_batches,
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--max-epochs", type=int, default=None)
+    parser.add_argument("--root", required=True, help="default_root_dir of the Trainer")
+    parser.add_argument("--record", required=True, help="per-rank batch records: {record}.rank{r}")
+    parser.add_argument("--info", help="per-rank run facts as JSON: {info}.rank{r}")
+    parser.add_argument("--every-n-steps", type=int, help="save a checkpoint every n training steps")
+    parser.add_argument("--resume", help="checkpoint to resume from")
+    args = parser.parse_args(argv)
+    Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+
+    datamodule = TokenShardDataModule(
+        args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, num_workers=args.workers
+    )
+    probe = LoaderProbe(datamodule)
+    callbacks: list[Callback] = [probe]
+    if args.every_n_steps:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=Path(args.root) / "checkpoints",
+                filename="{step}",
+                every_n_train_steps=args.every_n_steps,
+                save_top_k=-1,
+            )
+        )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=args.strategy,
+        max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
+        default_root_dir=args.root,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(RecordingModel(args.record), datamodule=datamodule, ckpt_path=args.resume)
+
+    if args.info:
+        info = {
+            **(probe.seen or {}),
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "dp_rank": datamodule.dp_rank,
+            "dp_size": datamodule.dp_size,
+            "global_step": trainer.global_step,
+            "positions_consumed": datamodule.positions_consumed,
+        }
+        Path(f"{args.info}.rank{trainer.global_rank}").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
