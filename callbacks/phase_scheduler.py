@@ -152,8 +152,14 @@ class PhaseScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._apply(trainer, trainer.global_step)
-        phase = self.phases[self.active_phase]
-        pl_module.log_dict({"phase/index": float(self.active_phase), "phase/lr_scale": phase.lr_scale})
+        metrics = {"phase/index": float(self.active_phase), "phase/lr_scale": self.phases[self.active_phase].lr_scale}
+        datamodule = trainer.datamodule
+        if hasattr(datamodule, "realized_counts"):
+            weights = datamodule.weights_at(trainer.global_step)
+            for (name, counts), weight in zip(datamodule.realized_counts().items(), weights, strict=True):
+                metrics[f"mixture/{name}/weight"] = weight
+                metrics.update({f"mixture/{name}/{key}": float(value) for key, value in counts.items()})
+        pl_module.log_dict(metrics)
 
     def _apply(self, trainer: pl.Trainer, step: int) -> None:
         """Set every param group's LR to the scheduler's LR times the scale of the phase of ``step``."""

@@ -7,6 +7,7 @@ process turns it into tensors, so worker processes never pay per-tensor IPC.
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -32,13 +33,18 @@ class Source(Protocol):
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]: ...
 
+    @classmethod
+    def join(cls, parts: list[Source]) -> Source:
+        """One source holding ``parts``' samples one after another (how a mixture reads in one go)."""
+        ...
+
 
 class PlanDataset(Dataset):
     """Reads the samples at a span of plan positions from ``source``.
 
     Args:
-        source: the samples.
-        plan: maps positions to sample indices.
+        source: the samples; for a mixture, the plan's sources joined one after another.
+        plan: maps positions to (plan source, sample index).
         limit: positions at or past ``limit`` are padding (rows with no loss) rather than samples;
             ``None`` reads an endless stream of passes.
     """
@@ -47,6 +53,8 @@ class PlanDataset(Dataset):
         self.source = source
         self.plan = plan
         self.limit = limit
+        # Where each plan source starts inside the joined ``source``.
+        self._offsets = np.cumsum([0] + [s.num_samples for s in plan.sources[:-1]])
         self._chunk = (0, np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:
@@ -56,7 +64,8 @@ class PlanDataset(Dataset):
         # The plan is evaluated a chunk of positions at a time: its per-call overhead then vanishes.
         chunk_first, indices = self._chunk
         if not chunk_first <= first <= stop <= chunk_first + len(indices):
-            _, indices = self.plan.locate(np.arange(first, first + max(_CHUNK, stop - first)))
+            sources, indices = self.plan.locate(np.arange(first, first + max(_CHUNK, stop - first)))
+            indices += self._offsets[sources]
             self._chunk = chunk_first, indices = first, indices
         return indices[first - chunk_first : stop - chunk_first]
 
@@ -116,3 +125,11 @@ class PlanDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
+
+
+class SourceSpec(ABC):
+    """A configured source (a YAML entry): builds its training samples and validation samples."""
+
+    @abstractmethod
+    def build(self, seq_len: int, pack_sequences: bool) -> tuple[Source, Source | None]:
+        """``(train, val)``; ``val`` is ``None`` when the source holds out nothing."""

@@ -132,6 +132,19 @@ class SamplePlan:
             drawn[mine] = self._consumed_before[j][source] + block * np.asarray(seg.counts)[source] + rank
         return sources, drawn
 
+    def samples_drawn(self, position: int) -> np.ndarray:
+        """How many samples of each source positions ``[0, position)`` hold, in O(segments + block)."""
+        if not self.segments:
+            return np.array([position], dtype=np.int64)
+        j = max(i for i, seg in enumerate(self.segments) if seg.first_position <= position)
+        seg = self.segments[j]
+        blocks, partial = divmod(position - seg.first_position, seg.block_size)
+        drawn = self._consumed_before[j] + blocks * np.asarray(seg.counts)
+        if partial:
+            sources, _ = self.locate(np.arange(position - partial, position))
+            drawn += np.bincount(sources, minlength=len(self.sources))
+        return drawn
+
     def describe(self) -> dict[str, Any]:
         """The plan's identity as plain values, stored in checkpoints to explain what changed."""
         return {
@@ -150,8 +163,8 @@ def describe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     """Human-readable differences between two ``SamplePlan.describe()`` dicts."""
     changes = [
         f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
-        for key in ("seed", "shuffle")
-        if saved.get(key) != current.get(key)
+        for key in sorted(saved.keys() | current.keys())
+        if key not in ("sources", "segments") and saved.get(key) != current.get(key)
     ]
     old = {s["name"]: s for s in saved.get("sources", [])}
     new = {s["name"]: s for s in current.get("sources", [])}

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from datamodules.plan_datamodule import PlanDataModule
-from datamodules.token_shards import TokenShards
+from datamodules.token_shard_source import TokenShardSource
 from datamodules.token_windows import TokenWindows
 
 
@@ -47,28 +46,12 @@ class TokenShardDataModule(PlanDataModule):
         super().__init__(batch_size, seed=seed, num_workers=num_workers, allow_plan_change=allow_plan_change)
         if seq_len <= 0:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        if val_dir is not None and val_fraction > 0:
-            raise ValueError(f"give val_dir ({val_dir}) or val_fraction ({val_fraction}), not both")
+        self.source = TokenShardSource(data_dir, val_dir, val_fraction)
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
-        data_dir, val_dir = str(data_dir), None if val_dir is None else str(val_dir)
+        data_dir, val_dir = self.source.data_dir, self.source.val_dir
         self.save_hyperparameters()
-        self.data_dir = Path(data_dir)
-        self.val_dir = Path(val_dir) if val_dir is not None else None
         self.seq_len = seq_len
-        self.val_fraction = val_fraction
         self.pack_sequences = pack_sequences
 
-    def build_sources(self) -> tuple[TokenWindows, TokenWindows | None]:
-        shards = TokenShards(self.data_dir)
-        windows = dict(seq_len=self.seq_len, pack_sequences=self.pack_sequences)
-        if self.val_dir is not None:
-            return TokenWindows(shards, **windows), TokenWindows(TokenShards(self.val_dir), **windows)
-        if self.val_fraction == 0:
-            return TokenWindows(shards, **windows), None
-        split = shards.num_tokens - math.ceil(shards.num_tokens * self.val_fraction)
-        return (
-            TokenWindows(shards, last_token=split, **windows),
-            TokenWindows(shards, first_token=split, **windows),
-        )
+    def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
+        return [("train", *self.source.build(self.seq_len, self.pack_sequences))]

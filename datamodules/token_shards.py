@@ -25,6 +25,7 @@ class _Shard:
     path: str
     num_tokens: int
     offset: int  # byte offset of the first token inside the file (the .npy header)
+    dtype: str
 
 
 def _npy_layout(path: Path) -> tuple[np.dtype, int, int]:
@@ -94,7 +95,7 @@ class TokenShards:
                 raise ValueError(
                     f"shard {path} holds {count} tokens but {METADATA_FILE} says {self.metadata.shards[i].num_tokens}"
                 )
-            shards.append(_Shard(str(path), count, offset))
+            shards.append(_Shard(str(path), count, offset, dtype.name))
         if dtype.kind not in "iu":
             raise ValueError(f"token shards must hold integers, {self.directory} holds {dtype}")
         return dtype, shards
@@ -120,6 +121,27 @@ class TokenShards:
                 h.update(f.read(4096))
         return h.hexdigest()
 
+    @classmethod
+    def concat(cls, parts: list[TokenShards]) -> TokenShards:
+        """One stream of several shard directories, one after another (dtype: the widest)."""
+        joined = cls.__new__(cls)
+        offsets = np.cumsum([0] + [p.num_tokens for p in parts])
+        joined.directory = parts[0].directory
+        joined.metadata = None
+        joined.dtype = np.result_type(*(p.dtype for p in parts))
+        joined._shards = [shard for p in parts for shard in p._shards]
+        joined._starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in joined._shards])])
+        joined.num_tokens = int(offsets[-1])
+        docs = [p.document_starts for p in parts]
+        joined.document_starts = (
+            None
+            if any(d is None for d in docs)
+            else np.concatenate([d + o for d, o in zip(docs, offsets, strict=False)])
+        )
+        joined.fingerprint = "+".join(p.fingerprint for p in parts)
+        joined._maps = {}
+        return joined
+
     def __getstate__(self) -> dict:
         # Memory maps are reopened lazily in each worker process instead of being pickled as arrays.
         return {**self.__dict__, "_maps": {}}
@@ -128,7 +150,7 @@ class TokenShards:
         tokens = self._maps.get(i)
         if tokens is None:
             shard = self._shards[i]
-            mm = np.memmap(shard.path, dtype=self.dtype, mode="r", offset=shard.offset, shape=(shard.num_tokens,))
+            mm = np.memmap(shard.path, dtype=shard.dtype, mode="r", offset=shard.offset, shape=(shard.num_tokens,))
             # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs
             # about 1 us more per slice, as much as copying a whole window.
             tokens = self._maps[i] = mm.view(np.ndarray)

@@ -52,14 +52,44 @@ class TokenWindows:
             )
         self.num_windows = (span - 1) // seq_len
         self.fingerprint = f"{shards.fingerprint}:{first_token}:{self.last_token}:{seq_len}:{int(pack_sequences)}"
+        # Window ranges of the stream: one here, several after ``join``.
+        self._firsts = np.array([first_token], dtype=np.int64)
+        self._begins = np.zeros(1, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.num_windows
 
+    @classmethod
+    def join(cls, parts: list[TokenWindows]) -> TokenWindows:
+        """One source whose windows are those of ``parts``, one part after another.
+
+        A mixture reads a whole batch, whatever its sources, with one gather from the joined stream.
+        """
+        kinds = {(p.seq_len, p.pack_sequences) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"joined token windows need one seq_len and packing mode, got {sorted(kinds)}")
+        stream_offsets = np.cumsum([0] + [p.shards.num_tokens for p in parts[:-1]])
+        window_offsets = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        joined = cls.__new__(cls)
+        joined.__dict__.update(parts[0].__dict__)
+        joined.shards = TokenShards.concat([p.shards for p in parts])
+        joined.num_windows = sum(len(p) for p in parts)
+        joined.fingerprint = "+".join(p.fingerprint for p in parts)
+        joined._firsts = np.concatenate([p._firsts + o for p, o in zip(parts, stream_offsets, strict=True)])
+        joined._begins = np.concatenate([p._begins + o for p, o in zip(parts, window_offsets, strict=True)])
+        return joined
+
+    def _window_starts(self, indices: np.ndarray) -> np.ndarray:
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(self._firsts) == 1:
+            return self._firsts[0] + indices * self.seq_len
+        part = np.searchsorted(self._begins, indices, side="right") - 1
+        return self._firsts[part] + (indices - self._begins[part]) * self.seq_len
+
     def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Raw windows for sample ``indices``: tokens in the stored dtype, plus document starts."""
         width = self.seq_len + 1
-        starts = self.first_token + np.asarray(indices, dtype=np.int64) * self.seq_len
+        starts = self._window_starts(indices)
         raw = {"tokens": self.shards.read_windows(starts, width)}
         if self.pack_sequences:
             doc = self.shards.document_starts

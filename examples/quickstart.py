@@ -1,7 +1,8 @@
 """The main job on the embedded default corpus: ``python -m examples.quickstart``.
 
 Builds the corpus, trains a tokenizer, writes token shards with the prepare command, then runs
-LightningCLI ``fit`` from ``configs/token_shards.yaml`` and reports tokens/s and the loss curve.
+LightningCLI ``fit`` from ``configs/token_shards.yaml`` (or ``--config``, e.g.
+``configs/mixture_annealing.yaml``) and reports tokens/s and the loss curve.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ log = logging.getLogger("quickstart")
 WORKDIR = Path(".cache/quickstart")
 
 
-def build_shards(workdir: Path) -> Path:
-    files = stdlib_sources() + write_pydoc_topics(workdir / "pydoc_topics")
-    log.info("default corpus: %d documents (stdlib sources and pydoc topics)", len(files))
-    tokenizer = train_tokenizer(files, workdir / "tokenizer")
-    prepare([str(f) for f in files], workdir / "shards", str(tokenizer))
-    return workdir / "shards"
+def build_shards(workdir: Path) -> None:
+    """Two sources, as the configs name them: ``shards_stdlib`` and ``shards_pydoc``."""
+    corpus = {"stdlib": stdlib_sources(), "pydoc": write_pydoc_topics(workdir / "pydoc_topics")}
+    log.info("default corpus: %s documents", {name: len(files) for name, files in corpus.items()})
+    tokenizer = train_tokenizer([f for files in corpus.values() for f in files], workdir / "tokenizer")
+    for name, files in corpus.items():
+        prepare([str(f) for f in files], workdir / f"shards_{name}", str(tokenizer))
 
 
 def loss_curve(log_dir: str) -> list[float]:

@@ -19,17 +19,18 @@ def make_token_shards(
     shard_tokens: int | None = None,
     doc_len: int = 50,
     dtype: str = "uint32",
+    first_value: int = 0,
 ) -> Path:
-    """Shards whose token at stream offset ``t`` is ``t`` (so a window names its own position).
+    """Shards whose token at stream offset ``t`` is ``first_value + t`` (a window names its position).
 
     Documents are ``doc_len`` tokens long (the last may be shorter); metadata is written as the
     prepare command writes it.
     """
-    tokens = np.arange(num_tokens, dtype=np.int64)
+    tokens = np.arange(first_value, first_value + num_tokens, dtype=np.int64)
     documents = [tokens[i : i + doc_len] for i in range(0, num_tokens, doc_len)]
     lengths = np.array([len(d) for d in documents], dtype=np.int64)
     metadata = write_shards(iter(documents), lengths, directory, np.dtype(dtype), shard_tokens or num_tokens)
-    metadata.max_token_id = num_tokens - 1
+    metadata.max_token_id = first_value + num_tokens - 1
     metadata.write(directory)
     return directory
 
@@ -69,7 +70,7 @@ class RecordingModel(LightningModule):
         x = (batch["input_ids"][:, :1].float() % 97) / 97
         return self.layer(x).pow(2).mean()
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         pass
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -1,0 +1,165 @@
+"""``MixtureDataModule``: named sources mixed by weight, exactly per global batch, phase by phase.
+
+Each global batch (one optimizer step) holds the largest-remainder counts of the weights active at
+that step; the ``PhaseScheduler`` callback installs weight changes at exact steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from datamodules.plan_datamodule import PlanDataModule
+from datamodules.plan_loader import Source, SourceSpec
+from datamodules.sample_plan import SamplePlan, Segment, largest_remainder_counts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MixtureComponent:
+    """One named source of a mixture and its base weight.
+
+    Args:
+        name: unique name, used by phase weights and in logged metrics.
+        weight: base sampling weight, finite and >= 0 (0: never sampled).
+        source: the source spec, e.g. ``TokenShardSource(data_dir=...)``.
+    """
+
+    name: str
+    weight: float
+    source: SourceSpec
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight >= 0):
+            raise ValueError(f"weight of source {self.name!r} must be finite and >= 0, got {self.weight!r}")
+
+
+def mixture_probabilities(weights: list[float], temperature: float) -> tuple[float, ...]:
+    """``p_i ∝ w_i ** (1 / T)``; a zero weight stays exactly zero at every temperature."""
+    scaled = np.asarray(weights, dtype=np.float64) ** (1.0 / temperature)
+    return tuple(float(p) for p in scaled / scaled.sum())
+
+
+class MixtureDataModule(PlanDataModule):
+    """Mixes named sources by weight into every global batch, exactly.
+
+    Every global batch (``batch_size x data-parallel size x accumulate_grad_batches`` samples, one
+    optimizer step) holds the largest-remainder counts of ``p_i ∝ w_i ** (1/T)`` for the weights
+    active at that step, in shuffled order. A source that runs out starts a new, freshly shuffled
+    pass. Weights change at exact steps through the ``PhaseScheduler`` callback; resume is exact
+    across a change, and elastic (a new data-parallel size continues at the saved position).
+
+    Args:
+        sources: the components, each ``{name, weight, source}``.
+        seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
+        temperature: ``T > 0``; 1 samples in proportion to the weights, larger flattens the mix.
+        pack_sequences: document-aware batches (see ``TokenShardDataModule``).
+        seed, num_workers, allow_plan_change: see ``PlanDataModule``.
+
+    Example::
+
+        MixtureDataModule(
+            sources=[MixtureComponent("web", 0.7, TokenShardSource("web/")),
+                     MixtureComponent("code", 0.3, TokenShardSource("code/"))],
+            seq_len=2048, batch_size=8)
+    """
+
+    def __init__(
+        self,
+        sources: list[MixtureComponent],
+        seq_len: int,
+        batch_size: int,
+        temperature: float = 1.0,
+        pack_sequences: bool = False,
+        seed: int = 0,
+        num_workers: int = 0,
+        allow_plan_change: bool = False,
+    ) -> None:
+        super().__init__(batch_size, seed=seed, num_workers=num_workers, allow_plan_change=allow_plan_change)
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+        if not sources:
+            raise ValueError("a mixture needs at least one source")
+        components = [c if isinstance(c, MixtureComponent) else MixtureComponent(**c) for c in sources]
+        names = [c.name for c in components]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"source names must be unique, {duplicates} appear more than once")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+        self.components = components
+        self.seq_len = seq_len
+        self.temperature = temperature
+        self.pack_sequences = pack_sequences
+        self.base_weights = [float(c.weight) for c in components]
+        self._check_weights(self.base_weights, "base weights")
+        self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
+
+    def _check_weights(self, weights: list[float], what: str) -> None:
+        if not sum(weights) > 0:
+            named = dict(zip([c.name for c in self.components], weights, strict=True))
+            raise ValueError(f"{what} {named} are all zero: at least one source needs a positive weight")
+
+    def set_phase_weights(self, phases: list[tuple[int, dict[str, float]]]) -> None:
+        """Weights from each phase's ``start_step``: named sources change, the rest keep the base weight."""
+        names = [c.name for c in self.components]
+        schedule = []
+        for start_step, weights in phases:
+            unknown = sorted(set(weights) - set(names))
+            if unknown:
+                raise ValueError(f"phase at step {start_step} names unknown sources {unknown}; sources are {names}")
+            full = [float(weights.get(n, base)) for n, base in zip(names, self.base_weights, strict=True)]
+            self._check_weights(full, f"phase at step {start_step}: weights")
+            schedule.append((start_step, full))
+        self.phase_weights = schedule
+
+    def build_sources(self) -> list[tuple[str, Source, Source | None]]:
+        return [(c.name, *c.source.build(self.seq_len, self.pack_sequences)) for c in self.components]
+
+    def plan_identity(self) -> dict[str, Any]:
+        return {**super().plan_identity(), "base_weights": self.base_weights, "temperature": self.temperature}
+
+    def weights_at(self, step: int) -> list[float]:
+        """The weights active at optimizer step ``step``."""
+        return max((p for p in self.phase_weights if p[0] <= step), key=lambda p: p[0])[1]
+
+    def counts_at(self, step: int, block_size: int) -> tuple[int, ...]:
+        """Per-source samples in the global batch of optimizer step ``step``."""
+        return largest_remainder_counts(mixture_probabilities(self.weights_at(step), self.temperature), block_size)
+
+    def build_plan(self, position: int, step: int) -> SamplePlan:
+        block = self.batch_size * self.dp_size * self.accumulate_grad_batches
+        # The schedule already trained is kept verbatim (it may have had another block size); from
+        # the resume position on, phases map to positions with this run's global batch size.
+        segments = [s for s in self._saved_segments if s.first_position < position]
+        counts = self.counts_at(step, block)
+        if not segments:
+            segments = [Segment(0, block, counts)]
+        elif (segments[-1].block_size, segments[-1].counts) != (block, counts):
+            if (position - segments[-1].first_position) % segments[-1].block_size:
+                raise ValueError(
+                    f"cannot resume a mixture at position {position}: it is not on an optimizer-step boundary "
+                    f"of the checkpoint's global batch of {segments[-1].block_size}"
+                )
+            segments.append(Segment(position, block, counts))
+        for start_step, _ in self.phase_weights:
+            if start_step > step:
+                segments.append(
+                    Segment(position + (start_step - step) * block, block, self.counts_at(start_step, block))
+                )
+        return SamplePlan(tuple(self.sources), seed=self.seed, segments=tuple(segments))
+
+    def realized_counts(self) -> dict[str, dict[str, int]]:
+        """Samples, tokens and started passes of every source over the positions trained so far."""
+        if self.plan is None:
+            return {}
+        drawn = self.plan.samples_drawn(self.positions_consumed)
+        return {
+            s.name: {"samples": int(d), "tokens": int(d) * self.seq_len, "passes": -(-int(d) // s.num_samples)}
+            for s, d in zip(self.sources, drawn, strict=True)
+        }

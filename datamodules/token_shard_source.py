@@ -1,0 +1,48 @@
+"""``TokenShardSource``: a directory of token shards as a configured source, split into train/val."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from datamodules.plan_loader import SourceSpec
+from datamodules.token_shards import TokenShards
+from datamodules.token_windows import TokenWindows
+
+
+@dataclass
+class TokenShardSource(SourceSpec):
+    """Token shards as training windows, with validation from a directory or a held-out tail.
+
+    Args:
+        data_dir: directory of ``.npy`` shards, or ``.bin`` shards with ``metadata.json``.
+        val_dir: shards for validation; or use ``val_fraction``.
+        val_fraction: hold out this fraction of the tokens (the tail of the stream) for
+            validation, with no token shared with training. Default 0: no validation.
+    """
+
+    data_dir: str
+    val_dir: str | None = None
+    val_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
+        self.data_dir = str(self.data_dir)
+        self.val_dir = None if self.val_dir is None else str(self.val_dir)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_dir is not None and self.val_fraction > 0:
+            raise ValueError(f"give val_dir ({self.val_dir}) or val_fraction ({self.val_fraction}), not both")
+
+    def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
+        shards = TokenShards(self.data_dir)
+        windows = {"seq_len": seq_len, "pack_sequences": pack_sequences}
+        if self.val_dir is not None:
+            return TokenWindows(shards, **windows), TokenWindows(TokenShards(self.val_dir), **windows)
+        if self.val_fraction == 0:
+            return TokenWindows(shards, **windows), None
+        split = shards.num_tokens - math.ceil(shards.num_tokens * self.val_fraction)
+        return (
+            TokenWindows(shards, last_token=split, **windows),
+            TokenWindows(shards, first_token=split, **windows),
+        )

@@ -1,0 +1,185 @@
+"""MixtureDataModule with PhaseScheduler: exact per-batch mixing, phase changes and exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from callbacks.phase_scheduler import PhaseScheduler
+from datamodules import MixtureComponent, MixtureDataModule, TokenShardSource
+from datamodules.mixture_datamodule import mixture_probabilities
+from datamodules.sample_plan import largest_remainder_counts
+from tests.support import RecordingModel, make_token_shards
+
+SEQ_LEN, BATCH = 4, 10
+NAMES = ("a", "b", "c")
+SIZES = {"a": 400, "b": 120, "c": 30}  # windows per source; "c" runs out and is oversampled
+BASE = {"a": 0.5, "b": 0.3, "c": 0.2}
+PHASES = [{"start_step": 5, "dataset_weights": {"a": 0.0, "c": 0.7}, "lr_scale": 0.5}]
+ID = 10**6  # source s holds token values from s * ID, so a window names its source
+
+
+@pytest.fixture(scope="module")
+def shard_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mixture")
+    return {
+        name: make_token_shards(root / name, SIZES[name] * SEQ_LEN + 1, shard_tokens=333, first_value=i * ID)
+        for i, name in enumerate(NAMES)
+    }
+
+
+def make_dm(shard_dirs: dict[str, Path], weights: dict[str, float] = BASE, **kwargs) -> MixtureDataModule:
+    components = [MixtureComponent(n, weights[n], TokenShardSource(str(shard_dirs[n]))) for n in NAMES]
+    return MixtureDataModule(components, **{"seq_len": SEQ_LEN, "batch_size": BATCH, "seed": 3, **kwargs})
+
+
+def fit(
+    shard_dirs: dict[str, Path],
+    max_steps: int,
+    num_workers: int = 0,
+    phases: list | None = PHASES,
+    ckpt_dir: Path | None = None,
+    ckpt_every: int = 0,
+    resume: Path | None = None,
+    weights: dict[str, float] = BASE,
+    temperature: float = 1.0,
+) -> list[dict]:
+    dm = make_dm(shard_dirs, weights, num_workers=num_workers, temperature=temperature)
+    callbacks = [PhaseScheduler(phases)] if phases is not None else []
+    if ckpt_every:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1))
+    model = RecordingModel()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(ckpt_every),
+        callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=resume)
+    return model.records
+
+
+def source_counts(record: dict) -> list[int]:
+    return np.bincount([start // ID for start in record["starts"]], minlength=len(NAMES)).tolist()
+
+
+def expected_counts(weights: dict[str, float], temperature: float = 1.0) -> list[int]:
+    probabilities = mixture_probabilities([weights[n] for n in NAMES], temperature)
+    return list(largest_remainder_counts(probabilities, BATCH))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_batch_holds_the_active_counts_and_the_phase_switches_at_its_step(
+    shard_dirs: dict[str, Path], num_workers: int
+) -> None:
+    records = fit(shard_dirs, 12, num_workers)
+    annealed = {**BASE, **PHASES[0]["dataset_weights"]}
+    assert expected_counts(BASE) == [5, 3, 2] and expected_counts(annealed) == [0, 3, 7]
+    assert [source_counts(r) for r in records] == [[5, 3, 2]] * 5 + [[0, 3, 7]] * 7
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0, 10.0])
+def test_temperature_follows_the_formula_and_weight_zero_is_never_sampled(
+    shard_dirs: dict[str, Path], temperature: float
+) -> None:
+    weights = {"a": 0.6, "b": 0.0, "c": 0.4}
+    probabilities = mixture_probabilities([weights[n] for n in NAMES], temperature)
+    raw = np.array([0.6, 0.0, 0.4]) ** (1 / temperature)
+    assert probabilities == pytest.approx(raw / raw.sum())
+    records = fit(shard_dirs, 6, phases=None, weights=weights, temperature=temperature)
+    assert [source_counts(r) for r in records] == [expected_counts(weights, temperature)] * 6
+    assert all(source_counts(r)[1] == 0 for r in records)
+
+
+def test_a_source_that_runs_out_starts_a_fresh_pass_without_repeats_inside_a_pass(shard_dirs: dict[str, Path]) -> None:
+    records = fit(shard_dirs, 30, phases=None)
+    windows = [(s - 2 * ID) // SEQ_LEN for r in records for s in r["starts"] if s // ID == 2]
+    assert len(windows) == 60  # two passes over source "c" (30 windows)
+    seen = np.bincount(windows, minlength=30)
+    assert seen.tolist() == [2] * 30
+    dm = make_dm(shard_dirs)
+    dm.setup("fit")
+    dm.train_dataloader()
+    dm.load_state_dict({**dm.state_dict(), "positions_consumed": 30 * BATCH})
+    dm.train_dataloader()
+    assert dm.realized_counts()["c"] == {"samples": 60, "tokens": 60 * SEQ_LEN, "passes": 2}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("stop", [3, 5, 7], ids=["before-change", "at-boundary", "after-change"])
+def test_resume_across_a_phase_change_trains_identical_batches(
+    tmp_path: Path, shard_dirs: dict[str, Path], num_workers: int, stop: int
+) -> None:
+    expected = fit(shard_dirs, 10, num_workers)
+    killed = fit(shard_dirs, stop + 2, num_workers, ckpt_dir=tmp_path, ckpt_every=stop)
+    (ckpt,) = tmp_path.glob(f"*-step={stop}.ckpt")
+    resumed = fit(shard_dirs, 10, num_workers, resume=ckpt)
+    trained = [r["digest"] for r in killed if r["step"] < stop] + [r["digest"] for r in resumed]
+    assert trained == [r["digest"] for r in expected]
+
+
+def test_editing_a_phase_already_trained_is_refused(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+    fit(shard_dirs, 7, ckpt_dir=tmp_path, ckpt_every=7)
+    (ckpt,) = tmp_path.glob("*-step=7.ckpt")
+    edited = [{**PHASES[0], "dataset_weights": {"a": 0.1}}]
+    with pytest.raises(ValueError, match="phases already trained .* differ from the checkpoint"):
+        fit(shard_dirs, 9, phases=edited, resume=ckpt)
+
+
+def test_phases_after_the_resumed_step_may_be_edited(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+    fit(shard_dirs, 7, ckpt_dir=tmp_path, ckpt_every=7)
+    (ckpt,) = tmp_path.glob("*-step=7.ckpt")
+    later = [*PHASES, {"start_step": 9, "dataset_weights": {"b": 0.0}}]
+    records = fit(shard_dirs, 11, phases=later, resume=ckpt)
+    # Unnamed sources keep their base weight: a=0.5, b=0, c=0.2.
+    assert [source_counts(r) for r in records] == [[0, 3, 7]] * 2 + [[7, 0, 3]] * 2
+
+
+def test_changed_base_weights_are_refused_on_resume(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+    fit(shard_dirs, 3, ckpt_dir=tmp_path, ckpt_every=3)
+    (ckpt,) = tmp_path.glob("*-step=3.ckpt")
+    with pytest.raises(ValueError, match=r"base_weights: \[0.5, 0.3, 0.2\] -> \[0.4, 0.4, 0.2\]"):
+        fit(shard_dirs, 5, resume=ckpt, weights={"a": 0.4, "b": 0.4, "c": 0.2})
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({"a": -1.0, "b": 1.0, "c": 1.0}, "weight of source 'a' must be finite and >= 0, got -1.0"),
+        ({"a": float("nan"), "b": 1.0, "c": 1.0}, "weight of source 'a' must be finite and >= 0, got nan"),
+        ({"a": float("inf"), "b": 1.0, "c": 1.0}, "weight of source 'a' must be finite and >= 0, got inf"),
+        ({"a": 0.0, "b": 0.0, "c": 0.0}, "are all zero: at least one source needs a positive weight"),
+    ],
+)
+def test_bad_weights_fail_at_construction(shard_dirs: dict[str, Path], weights: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_dm(shard_dirs, weights)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan")])
+def test_non_positive_temperature_fails_at_construction(shard_dirs: dict[str, Path], temperature: float) -> None:
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        make_dm(shard_dirs, temperature=temperature)
+
+
+def test_duplicate_source_names_fail_at_construction(shard_dirs: dict[str, Path]) -> None:
+    source = TokenShardSource(str(shard_dirs["a"]))
+    with pytest.raises(ValueError, match=r"source names must be unique, \['a'\] appear more than once"):
+        MixtureDataModule([MixtureComponent("a", 1.0, source), MixtureComponent("a", 1.0, source)], 4, 2)
+
+
+def test_a_phase_naming_an_unknown_source_fails_at_setup(shard_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=r"phase at step 2 names unknown sources \['web'\]; sources are"):
+        fit(shard_dirs, 3, phases=[{"start_step": 2, "dataset_weights": {"web": 1.0}}])
+
+
+def test_a_phase_zeroing_every_source_fails_at_setup(shard_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="phase at step 2: weights .* are all zero"):
+        fit(shard_dirs, 3, phases=[{"start_step": 2, "dataset_weights": {"a": 0.0, "b": 0.0, "c": 0.0}}])
