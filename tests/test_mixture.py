@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from callbacks.phase_scheduler import PhaseScheduler
 from datamodules import MixtureComponent, MixtureDataModule, TokenShardSource
@@ -183,3 +185,30 @@ def test_a_phase_naming_an_unknown_source_fails_at_setup(shard_dirs: dict[str, P
 def test_a_phase_zeroing_every_source_fails_at_setup(shard_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="phase at step 2: weights .* are all zero"):
         fit(shard_dirs, 3, phases=[{"start_step": 2, "dataset_weights": {"a": 0.0, "b": 0.0, "c": 0.0}}])
+
+
+def test_phase_scheduler_logs_phase_weights_and_realized_counts(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+    dm = make_dm(shard_dirs)
+    logger = CSVLogger(tmp_path, name="logs")
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=8,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[PhaseScheduler(PHASES)],
+    )
+    model = RecordingModel()
+    trainer.fit(model, datamodule=dm)
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("phase/index")]
+    assert [float(r["phase/index"]) for r in rows] == [0.0] * 4 + [1.0] * 4
+    assert [float(r["phase/lr_scale"]) for r in rows] == [1.0] * 4 + [0.5] * 4
+    assert [float(r["mixture/a/weight"]) for r in rows] == [0.5] * 4 + [0.0] * 4
+    drawn = np.cumsum([source_counts(r) for r in model.records], axis=0)
+    for i, name in enumerate(NAMES):
+        assert [float(r[f"mixture/{name}/samples"]) for r in rows] == drawn[:, i].tolist()
+        assert [float(r[f"mixture/{name}/tokens"]) for r in rows] == (drawn[:, i] * SEQ_LEN).tolist()
+    assert float(rows[-1]["mixture/c/passes"]) == 2  # 4*2 + 4*7 = 36 samples of a 30-window source
