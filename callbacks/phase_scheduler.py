@@ -132,6 +132,9 @@ class PhaseScheduler(Callback):
                 f"PhaseScheduler: phases already trained (before step {self._saved['step']}) differ from the "
                 f"checkpoint's {self._saved['phases']}; only phases starting at or after the resumed step may change"
             )
+        if any(p.lr_scale != 1 for p in self.phases) and any(c.reduce_on_plateau for c in trainer.lr_scheduler_configs):
+            # A plateau scheduler steps after validation, outside the optimizer step this relies on.
+            raise ValueError("PhaseScheduler lr_scale phases do not support ReduceLROnPlateau; use lr_scale=1.0 there")
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
                 group.setdefault(UNSCALED_LR, group["lr"])

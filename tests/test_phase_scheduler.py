@@ -26,6 +26,7 @@ def make_scheduler(name: str, optimizer: torch.optim.Optimizer) -> torch.optim.l
         "lambda": lambda: sched.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)),
         "cosine": lambda: sched.CosineAnnealingLR(optimizer, T_max=STEPS),
         "onecycle": lambda: sched.OneCycleLR(optimizer, max_lr=1.0, total_steps=STEPS + 1),
+        "plateau": lambda: sched.ReduceLROnPlateau(optimizer),
         "sequential": lambda: sched.SequentialLR(
             optimizer,
             [sched.LinearLR(optimizer, start_factor=0.1, total_iters=3), sched.CosineAnnealingLR(optimizer, T_max=10)],
@@ -48,7 +49,10 @@ class ScheduledModel(RecordingModel):
         scheduler = make_scheduler(self.scheduler, optimizer)
         if scheduler is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        config = {"scheduler": scheduler, "interval": "step"}
+        if self.scheduler == "plateau":
+            config["monitor"] = "train_loss"
+        return {"optimizer": optimizer, "lr_scheduler": config}
 
 
 def train(shards: Path, scheduler: str, callbacks: list, logger: CSVLogger | bool = False) -> ScheduledModel:
@@ -80,6 +84,12 @@ def test_effective_lr_is_scheduled_lr_times_the_active_scale(tmp_path: Path, sch
     with open(Path(logger.log_dir) / "metrics.csv") as f:
         monitored = [float(row["lr-SGD"]) for row in csv.DictReader(f) if row.get("lr-SGD")]
     assert monitored == pytest.approx(scaled.used_lrs, rel=1e-6)
+
+
+def test_lr_scale_with_reduce_on_plateau_is_refused_not_silently_wrong(tmp_path: Path) -> None:
+    shards = make_token_shards(tmp_path / "shards", 1000)
+    with pytest.raises(ValueError, match="do not support ReduceLROnPlateau"):
+        train(shards, "plateau", [PhaseScheduler(PHASES)])
 
 
 def test_dataset_weights_on_a_single_source_datamodule_are_refused(tmp_path: Path) -> None:
