@@ -66,7 +66,7 @@ class PlanDataModule(LightningDataModule):
 
     def plan_identity(self) -> dict[str, Any]:
         """What fixes the data order of the positions already trained; a resume must match it."""
-        return {"seed": self.seed, "shuffle": True, "sources": [asdict(s) for s in self.sources]}
+        return {"seed": self.seed, "sources": [asdict(s) for s in self.sources]}
 
     def build_plan(self, position: int, step: int) -> SamplePlan:
         """The plan for a run whose next position is ``position`` at optimizer step ``step``."""

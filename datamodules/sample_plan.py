@@ -8,9 +8,7 @@ O(number of schedule segments).
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -145,22 +143,9 @@ class SamplePlan:
             drawn += np.bincount(sources, minlength=len(self.sources))
         return drawn
 
-    def describe(self) -> dict[str, Any]:
-        """The plan's identity as plain values, stored in checkpoints to explain what changed."""
-        return {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "sources": [asdict(s) for s in self.sources],
-            "segments": [[s.first_position, s.block_size, list(s.counts)] for s in self.segments],
-        }
-
-    @property
-    def fingerprint(self) -> str:
-        return hashlib.blake2b(json.dumps(self.describe(), sort_keys=True).encode(), digest_size=16).hexdigest()
-
 
 def describe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Human-readable differences between two ``SamplePlan.describe()`` dicts."""
+    """Human-readable differences between two plan identities (``PlanDataModule.plan_identity()``)."""
     changes = [
         f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
         for key in sorted(saved.keys() | current.keys())
