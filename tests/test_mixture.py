@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -212,3 +213,14 @@ def test_phase_scheduler_logs_phase_weights_and_realized_counts(tmp_path: Path, 
         assert [float(r[f"mixture/{name}/samples"]) for r in rows] == drawn[:, i].tolist()
         assert [float(r[f"mixture/{name}/tokens"]) for r in rows] == (drawn[:, i] * SEQ_LEN).tolist()
     assert float(rows[-1]["mixture/c/passes"]) == 2  # 4*2 + 4*7 = 36 samples of a 30-window source
+
+
+def test_checkpoints_load_with_weights_only_and_hold_plain_state(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+    fit(shard_dirs, 6, ckpt_dir=tmp_path, ckpt_every=6)
+    (ckpt,) = tmp_path.glob("*-step=6.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=True)
+    state = checkpoint["MixtureDataModule"]
+    assert state["positions_consumed"] == 6 * BATCH
+    assert state["segments"] == [[0, BATCH, [5, 3, 2]], [5 * BATCH, BATCH, [0, 3, 7]]]
+    (scheduler_state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("PhaseScheduler")]
+    assert scheduler_state["active_phase"] == 1 and scheduler_state["step"] == 6
