@@ -152,7 +152,11 @@ class MixtureDataModule(PlanDataModule):
                 segments.append(
                     Segment(position + (start_step - step) * block, block, self.counts_at(start_step, block))
                 )
-        return SamplePlan(tuple(self.sources), seed=self.seed, segments=tuple(segments))
+        plan = SamplePlan(tuple(self.sources), seed=self.seed, segments=tuple(segments))
+        # A reloaded train loader (reload_dataloaders_every_n_epochs) rebuilds the plan mid-run: the
+        # segments trained by then, this plan's, are its history; a checkpoint loaded later replaces them.
+        self._saved_segments = list(plan.segments)
+        return plan
 
     def realized_counts(self) -> dict[str, dict[str, int]]:
         """Samples, tokens and started passes of every source over the positions trained so far."""

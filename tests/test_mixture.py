@@ -50,8 +50,10 @@ def fit(
     resume: Path | None = None,
     weights: dict[str, float] = BASE,
     temperature: float = 1.0,
+    batch_size: int = BATCH,
+    reload_every: int = 0,
 ) -> list[dict]:
-    dm = make_dm(shard_dirs, weights, num_workers=num_workers, temperature=temperature)
+    dm = make_dm(shard_dirs, weights, num_workers=num_workers, temperature=temperature, batch_size=batch_size)
     callbacks = [PhaseScheduler(phases)] if phases is not None else []
     if ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1))
@@ -64,6 +66,7 @@ def fit(
         enable_model_summary=False,
         enable_checkpointing=bool(ckpt_every),
         callbacks=callbacks,
+        reload_dataloaders_every_n_epochs=reload_every,
     )
     trainer.fit(model, datamodule=dm, ckpt_path=resume)
     return model.records
@@ -126,6 +129,20 @@ def test_resume_across_a_phase_change_trains_identical_batches(
     resumed = fit(shard_dirs, 10, num_workers, resume=ckpt)
     trained = [r["digest"] for r in killed if r["step"] < stop] + [r["digest"] for r in resumed]
     assert trained == [r["digest"] for r in expected]
+
+
+def test_reloading_the_train_loader_every_epoch_keeps_the_trained_schedule(
+    tmp_path: Path, shard_dirs: dict[str, Path]
+) -> None:
+    # 550 windows: an epoch is 55 steps of 10 and 110 steps of 5. Each reload rebuilds the plan after
+    # the phase change; it must keep the segments already trained, also after a resume that changed
+    # the global batch (10 -> 5, as a resume on half the ranks does).
+    assert fit(shard_dirs, 60, reload_every=1) == fit(shard_dirs, 60)
+    fit(shard_dirs, 3, ckpt_dir=tmp_path, ckpt_every=3)
+    (ckpt,) = tmp_path.glob("*-step=3.ckpt")
+    resumed = fit(shard_dirs, 115, batch_size=5, resume=ckpt)
+    assert fit(shard_dirs, 115, batch_size=5, resume=ckpt, reload_every=1) == resumed
+    assert [source_counts(r) for r in resumed] == [[3, 1, 1]] * 2 + [[0, 2, 3]] * 110
 
 
 def test_editing_a_phase_already_trained_is_refused(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
