@@ -13,113 +13,27 @@ the sequence length is the window index.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from datamodules import TokenShardDataModule
-from tests.support import make_token_shards, read_records
+from tests.distributed_support import (
+    SCRIPTS,
+    Run,
+    assert_positions_consumed_once,
+    free_port,
+    launch_env,
+    run_processes,
+    train_record,
+)
+from tests.support import make_token_shards
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "tests" / "scripts"
 SEQ_LEN, BATCH = 8, 4
 WINDOWS = 64
 STEPS_PER_EPOCH = WINDOWS // (2 * BATCH)  # on 2 ranks
-TIMEOUT_S = 150
-
-# A launcher's rank variables leaking into the children would change what Lightning launches.
-_LAUNCH_ENV = {
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_env(port: int, **extra: object) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _LAUNCH_ENV and not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LSB_", "OMPI_"))
-    }
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_processes(commands: list[tuple[list[str], dict[str, str]]], log_dir: Path) -> None:
-    """Start every command at once and wait for all; on a failure or timeout, kill them and show their logs.
-
-    Each process gets its own session, so a kill also reaches the ranks Lightning launched from it.
-    """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for i, (cmd, env) in enumerate(commands):
-        log = log_dir / f"process{i}.log"
-        with open(log, "w") as out:
-            procs.append(
-                subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-        logs.append(log)
-    deadline = time.monotonic() + TIMEOUT_S
-    timed_out = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for proc in procs:
-        if timed_out or proc.returncode != 0:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    failed = [(i, p.returncode) for i, p in enumerate(procs) if timed_out or p.returncode != 0]
-    if failed:
-        for proc in procs:
-            proc.wait()
-        shown = "\n".join(
-            f"--- {log} (exit {p.returncode}) ---\n{log.read_text()[-6000:]}"
-            for p, log in zip(procs, logs, strict=True)
-        )
-        what = f"timed out after {TIMEOUT_S} s" if timed_out else f"failed: {failed}"
-        pytest.fail(f"{commands[0][0][1]} {what}\n{shown}", pytrace=False)
-
-
-@dataclass
-class Run:
-    """One training run of ``train_record.py``: its records, facts and checkpoints, per rank."""
-
-    root: Path
-
-    def records(self, rank: int) -> list[dict]:
-        return read_records(self.root / "records", rank)
-
-    def info(self, rank: int) -> dict:
-        return json.loads((self.root / f"info.rank{rank}").read_text())
-
-    def checkpoint(self, step: int) -> Path:
-        return self.root / "checkpoints" / f"step={step}.ckpt"
 
 
 def train(
@@ -135,27 +49,19 @@ def train(
     every_n_steps: int | None = None,
     resume: Path | None = None,
 ) -> Run:
-    """Fit ``RecordingModel`` with every data-loading flag of the Trainer at its default.
-
-    With ``num_nodes > 1`` one process per node is launched here, each with its ``NODE_RANK``, all
-    meeting at ``MASTER_ADDR=127.0.0.1``; Lightning launches the ranks inside a node.
-    """
-    cmd = [sys.executable, str(SCRIPTS / "train_record.py"), "--data", str(shards)]
-    cmd += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--workers", str(workers)]
-    cmd += ["--devices", str(devices), "--num-nodes", str(num_nodes), "--strategy", strategy]
-    cmd += ["--root", str(root), "--record", str(root / "records"), "--info", str(root / "info")]
+    """Fit ``RecordingModel`` with every data-loading flag of the Trainer at its default."""
+    args = ["--data", str(shards), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--workers", str(workers)]
+    args += ["--devices", str(devices), "--strategy", strategy]
     if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
+        args += ["--max-steps", str(max_steps)]
     if max_epochs is not None:
-        cmd += ["--max-epochs", str(max_epochs)]
+        args += ["--max-epochs", str(max_epochs)]
     if every_n_steps is not None:
-        cmd += ["--every-n-steps", str(every_n_steps)]
+        args += ["--every-n-steps", str(every_n_steps)]
     if resume is not None:
         assert resume.is_file(), f"no checkpoint {resume}"
-        cmd += ["--resume", str(resume)]
-    port = free_port()
-    run_processes([(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)], root / "logs")
-    return Run(root)
+        args += ["--resume", str(resume)]
+    return train_record(args, root, num_nodes=num_nodes)
 
 
 def windows(record: dict) -> list[int]:
@@ -185,16 +91,6 @@ def consumed(
                 assert first + offset not in out, f"position {first + offset} trained twice"
                 out[first + offset] = window
     return out
-
-
-def assert_positions_consumed_once(parts: list[dict[int, int]], total: int, plan_windows) -> None:
-    merged: dict[int, int] = {}
-    for part in parts:
-        twice = merged.keys() & part.keys()
-        assert not twice, f"positions trained in both runs: {sorted(twice)}"
-        merged.update(part)
-    assert sorted(merged) == list(range(total)), "some plan positions were skipped"
-    assert [merged[p] for p in range(total)] == plan_windows(total), "a position trained another window"
 
 
 @pytest.fixture(scope="module")

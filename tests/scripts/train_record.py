@@ -1,4 +1,4 @@
-"""Train ``RecordingModel`` on a ``TokenShardDataModule`` and record every batch, per rank.
+"""Train ``RecordingModel`` on a ``TokenShardDataModule`` or a mixture and record every batch, per rank.
 
 Run as a standalone script because Lightning's ``ddp`` strategy re-launches ``sys.argv`` for the
 other local ranks. Every Trainer flag that matters for data loading is left at its default
@@ -6,7 +6,12 @@ other local ranks. Every Trainer flag that matters for data loading is left at i
 
 Each rank appends its batch records to ``{record}.rank{global_rank}`` (see ``tests/support.py``)
 and, with ``--info``, writes ``{info}.rank{global_rank}``: where it sat in the data-parallel group,
-which loader and sampler the training loop actually iterated, and the positions consumed.
+which loader and sampler the training loop actually iterated, the positions consumed and the
+learning rate of every optimizer step.
+
+``--mixture a=dir_a:0.5,b=dir_b:0.5`` trains a ``MixtureDataModule`` of token-shard sources instead
+of ``--data``; ``--phases`` (a JSON list of ``{start_step, dataset_weights, lr_scale}``) adds a
+``PhaseScheduler``.
 
 Example::
 
@@ -27,18 +32,22 @@ sys.path.insert(0, str(_TESTS.parent))
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from datamodules import TokenShardDataModule  # noqa: E402
+from callbacks.phase_scheduler import PhaseScheduler  # noqa: E402
+from datamodules import MixtureComponent, MixtureDataModule, TokenShardDataModule, TokenShardSource  # noqa: E402
+from datamodules.plan_datamodule import PlanDataModule  # noqa: E402
 from tests.support import RecordingModel  # noqa: E402
 
 
 class LoaderProbe(Callback):
     """Notes the DataLoader and sampler the fit loop iterates, at the first training batch."""
 
-    def __init__(self, datamodule: TokenShardDataModule) -> None:
+    def __init__(self, datamodule: PlanDataModule) -> None:
         self.datamodule = datamodule
         self.seen: dict | None = None
+        self.lr_by_step: dict[int, float] = {}
 
     def on_train_batch_start(self, trainer: Trainer, pl_module, batch, batch_idx: int) -> None:
+        self.lr_by_step[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
         if self.seen is not None:
             return
         loader = trainer.train_dataloader
@@ -52,9 +61,22 @@ class LoaderProbe(Callback):
         }
 
 
+def mixture_components(spec: str) -> list[MixtureComponent]:
+    """``name=dir:weight,...`` as mixture components of token-shard sources."""
+    components = []
+    for item in spec.split(","):
+        name, rest = item.split("=", 1)
+        directory, weight = rest.rsplit(":", 1)
+        components.append(MixtureComponent(name, float(weight), TokenShardSource(directory)))
+    return components
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", required=True)
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="token shard directory (TokenShardDataModule)")
+    data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
+    parser.add_argument("--phases", help="JSON list of PhaseScheduler phases")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -72,11 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
 
-    datamodule = TokenShardDataModule(
-        args.data, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed, num_workers=args.workers
-    )
+    loading = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed, "num_workers": args.workers}
+    if args.mixture:
+        datamodule: PlanDataModule = MixtureDataModule(mixture_components(args.mixture), **loading)
+    else:
+        datamodule = TokenShardDataModule(args.data, **loading)
     probe = LoaderProbe(datamodule)
     callbacks: list[Callback] = [probe]
+    if args.phases:
+        callbacks.append(PhaseScheduler(json.loads(args.phases)))
     if args.every_n_steps:
         callbacks.append(
             ModelCheckpoint(
@@ -110,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
             "dp_size": datamodule.dp_size,
             "global_step": trainer.global_step,
             "positions_consumed": datamodule.positions_consumed,
+            "lr_by_step": probe.lr_by_step,
         }
         Path(f"{args.info}.rank{trainer.global_rank}").write_text(json.dumps(info))
 

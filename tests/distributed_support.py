@@ -1,0 +1,135 @@
+"""Helpers for tests that run real multi-process training in subprocesses (gloo on CPU).
+
+Lightning's ``ddp`` strategy re-launches ``sys.argv`` for the other ranks, so training runs go through
+``tests/scripts/train_record.py``, never inside the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.support import read_records
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+TIMEOUT_S = 150
+
+# A launcher's rank variables leaking into the children would change what Lightning launches.
+_LAUNCH_ENV = {
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env(port: int, **extra: object) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCH_ENV and not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "LSB_", "OMPI_"))
+    }
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_processes(commands: list[tuple[list[str], dict[str, str]]], log_dir: Path) -> None:
+    """Start every command at once and wait for all; on a failure or timeout, kill them and show their logs.
+
+    Each process gets its own session, so a kill also reaches the ranks Lightning launched from it.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for i, (cmd, env) in enumerate(commands):
+        log = log_dir / f"process{i}.log"
+        with open(log, "w") as out:
+            procs.append(
+                subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+        logs.append(log)
+    deadline = time.monotonic() + TIMEOUT_S
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    for proc in procs:
+        if timed_out or proc.returncode != 0:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if timed_out or p.returncode != 0]
+    if failed:
+        for proc in procs:
+            proc.wait()
+        shown = "\n".join(
+            f"--- {log} (exit {p.returncode}) ---\n{log.read_text()[-6000:]}"
+            for p, log in zip(procs, logs, strict=True)
+        )
+        what = f"timed out after {TIMEOUT_S} s" if timed_out else f"failed: {failed}"
+        pytest.fail(f"{commands[0][0][1]} {what}\n{shown}", pytrace=False)
+
+
+@dataclass
+class Run:
+    """One training run of ``train_record.py``: its records, facts and checkpoints, per rank."""
+
+    root: Path
+
+    def records(self, rank: int) -> list[dict]:
+        return read_records(self.root / "records", rank)
+
+    def info(self, rank: int) -> dict:
+        return json.loads((self.root / f"info.rank{rank}").read_text())
+
+    def checkpoint(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"step={step}.ckpt"
+
+
+def train_record(args: list[str], root: Path, num_nodes: int = 1) -> Run:
+    """Run ``train_record.py`` with ``args`` (plus its output paths under ``root``) and wait for it.
+
+    With ``num_nodes > 1`` one process per node is launched here, each with its ``NODE_RANK``, all
+    meeting at ``MASTER_ADDR=127.0.0.1``; Lightning launches the ranks inside a node.
+    """
+    cmd = [sys.executable, str(SCRIPTS / "train_record.py"), *args, "--num-nodes", str(num_nodes)]
+    cmd += ["--root", str(root), "--record", str(root / "records"), "--info", str(root / "info")]
+    port = free_port()
+    run_processes([(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)], root / "logs")
+    return Run(root)
+
+
+def assert_positions_consumed_once(parts: list[dict[int, object]], total: int, plan_at) -> None:
+    """The ``{plan position: what was trained}`` parts cover ``[0, total)`` once, as ``plan_at(total)`` says."""
+    merged: dict[int, object] = {}
+    for part in parts:
+        twice = merged.keys() & part.keys()
+        assert not twice, f"positions trained in both runs: {sorted(twice)}"
+        merged.update(part)
+    assert sorted(merged) == list(range(total)), "some plan positions were skipped"
+    assert [merged[p] for p in range(total)] == plan_at(total), "a position trained another sample"
