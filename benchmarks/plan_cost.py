@@ -1,6 +1,7 @@
 """Cost of the sample plan at scale: building one over 10^10 samples, and seeking to position 10^12.
 
-The plan materializes nothing, so both should be flat in the number of samples and the position:
+The plan materializes nothing, so both should be flat in the number of samples and the position,
+and a long mixture schedule (64 sources, 100 phases) should seek as fast as one source:
 ``python -m benchmarks.plan_cost [--quick]``.
 """
 
@@ -32,6 +33,24 @@ def mixture(num_samples: int) -> SamplePlan:
     weights = ((0.5, 0.3, 0.2), (0.2, 0.5, 0.3), (0.1, 0.1, 0.8))
     firsts = (0, 64 * 10**8, 64 * 10**9)
     segments = tuple(Segment(f, 64, largest_remainder_counts(w, 64)) for f, w in zip(firsts, weights, strict=True))
+    return SamplePlan(sources, seed=0, segments=segments)
+
+
+# The long schedule: a global batch of 512 (8 per rank on 64 ranks) and a new phase every 3 * 10^7
+# steps, so position 10^12 falls mid-schedule, in segment 65 of 0..99.
+MANY_SOURCES, MANY_PHASES, GLOBAL_BATCH, STEPS_PER_PHASE = 64, 100, 512, 3 * 10**7
+
+
+def many_phases(num_samples: int) -> SamplePlan:
+    """64 sources of uneven sizes, whose weights change 99 times; timed with the counts it computes."""
+    rng = np.random.default_rng(0)
+    share = num_samples // MANY_SOURCES
+    sizes = rng.integers(share // 10, 2 * share, MANY_SOURCES)
+    sources = tuple(PlannedSource(f"source{i}", int(n), "synthetic") for i, n in enumerate(sizes))
+    weights = rng.random((MANY_PHASES, MANY_SOURCES))
+    counts = [largest_remainder_counts(tuple(w / w.sum()), GLOBAL_BATCH) for w in weights]
+    phase = GLOBAL_BATCH * STEPS_PER_PHASE
+    segments = tuple(Segment(k * phase, GLOBAL_BATCH, c) for k, c in enumerate(counts))
     return SamplePlan(sources, seed=0, segments=segments)
 
 
@@ -83,7 +102,8 @@ def main() -> None:
     if args.quick:
         args.repeats = 50
 
-    plans = {"single source": single_source, "3-source mixture, 3 segments": mixture}
+    many = f"{MANY_SOURCES}-source mixture, {MANY_PHASES} segments"
+    plans = {"single source": single_source, "3-source mixture, 3 segments": mixture, many: many_phases}
     build_rows = [
         {"plan": name, **build_cost(build, args.num_samples, max(5, args.repeats // 100))}
         for name, build in plans.items()
@@ -103,8 +123,10 @@ def main() -> None:
             locate_rows.append({"plan": name, "locate": what, **locate_cost(plan, positions, args.repeats)})
 
     single = build_rows[0]
-    seeks = [r for r in locate_rows if r["plan"] == "single source" and r["locate"] in seek_names]
-    seek_ms = ", ".join(f"{r['median ms']:.3f} ms" for r in seeks)
+    seeks, many_seeks = (
+        [r for r in locate_rows if r["plan"] == plan and r["locate"] in seek_names] for plan in ("single source", many)
+    )
+    seek_ms, many_ms = (", ".join(f"{r['median ms']:.3f} ms" for r in rows) for rows in (seeks, many_seeks))
     report(
         "plan_cost",
         {
@@ -114,7 +136,12 @@ def main() -> None:
             ),
             "plan.locate(positions)": (["plan", "locate", "median ms", "p99 ms"], locate_rows),
         },
-        config={"num_samples": args.num_samples, "position": args.position, "repeats": args.repeats},
+        config={
+            "num_samples": args.num_samples,
+            "position": args.position,
+            "repeats": args.repeats,
+            "long schedule": f"{MANY_PHASES} segments of {STEPS_PER_PHASE:,} steps, global batch {GLOBAL_BATCH}",
+        },
         checks={
             f"single-source plan builds in < 0.1 s (first build {single['first build ms']:.2f} ms)": single[
                 "first build ms"
@@ -124,6 +151,9 @@ def main() -> None:
             f"{single['traced peak MB']:.3f} MB)": max(single["RSS growth MB"], single["traced peak MB"]) < 50,
             f"locate at {args.position:,} (1 and 8 positions) < 1 ms median ({seek_ms})": all(
                 r["median ms"] < 1 for r in seeks
+            ),
+            f"{many}: locate at {args.position:,} (1 and 8 positions) < 1 ms median ({many_ms})": all(
+                r["median ms"] < 1 for r in many_seeks
             ),
         },
         results_dir=results_directory(args.results_dir, args.quick),

@@ -72,6 +72,7 @@ class SamplePlan:
     shuffle: bool = True
     segments: tuple[Segment, ...] = field(default=())
     _consumed_before: np.ndarray = field(init=False, repr=False, compare=False)
+    _sizes: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -96,6 +97,7 @@ class SamplePlan:
                 raise ValueError(f"segment counts {seg.counts} do not name {len(self.sources)} sources")
             consumed[j] = consumed[j - 1] + blocks * np.asarray(prev.counts)
         object.__setattr__(self, "_consumed_before", consumed)
+        object.__setattr__(self, "_sizes", np.array([s.num_samples for s in self.sources], dtype=np.int64))
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source ids, sample indices)`` of each global position; vectorized."""
@@ -104,13 +106,13 @@ class SamplePlan:
             sources, drawn = self._mix(positions)
         else:
             sources, drawn = np.zeros_like(positions), positions
-        indices = np.empty_like(positions)
-        for s in np.unique(sources).tolist():
-            mine = sources == s
-            n = self.sources[s].num_samples
-            passes, within = np.divmod(drawn[mine], n)
-            indices[mine] = permute(within, n, round_keys(self.seed, s, passes)) if self.shuffle else within
-        return sources, indices
+        sizes = self._sizes[sources]
+        passes, within = np.divmod(drawn, sizes)
+        if not self.shuffle:
+            return sources, within
+        # Source s's pass p is shuffled by the bijection keyed (seed, s, p). One call for all sources:
+        # they cycle-walk together, in as many rounds as the longest walk, not one loop per source.
+        return sources, permute(within, sizes, round_keys(self.seed, sources, passes))
 
     def _mix(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Source of each position and how many samples that source had drawn before it."""

@@ -52,9 +52,10 @@ class TokenWindows:
             )
         self.num_windows = (span - 1) // seq_len
         self.fingerprint = f"{shards.fingerprint}:{first_token}:{self.last_token}:{seq_len}:{int(pack_sequences)}"
-        # Window ranges of the stream: one here, several after ``join``.
-        self._firsts = np.array([first_token], dtype=np.int64)
-        self._begins = np.zeros(1, dtype=np.int64)
+        # Window ranges of the stream: one here, several after ``join``. Range ``r`` holds windows
+        # ``[_ends[r - 1], _ends[r])``; window ``i`` of it starts at token ``_shifts[r] + i * seq_len``.
+        self._ends = np.array([self.num_windows], dtype=np.int64)
+        self._shifts = np.array([first_token], dtype=np.int64)
 
     def __len__(self) -> int:
         return self.num_windows
@@ -75,16 +76,18 @@ class TokenWindows:
         joined.shards = TokenShards.concat([p.shards for p in parts])
         joined.num_windows = sum(len(p) for p in parts)
         joined.fingerprint = "+".join(p.fingerprint for p in parts)
-        joined._firsts = np.concatenate([p._firsts + o for p, o in zip(parts, stream_offsets, strict=True)])
-        joined._begins = np.concatenate([p._begins + o for p, o in zip(parts, window_offsets, strict=True)])
+        offsets = list(zip(parts, stream_offsets, window_offsets, strict=True))
+        joined._ends = np.concatenate([p._ends + w for p, _, w in offsets])
+        # Joined window i is window i - w of a part whose stream starts t tokens into the joined one.
+        joined._shifts = np.concatenate([p._shifts + t - w * p.seq_len for p, t, w in offsets])
         return joined
 
     def _window_starts(self, indices: np.ndarray) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64)
-        if len(self._firsts) == 1:
-            return self._firsts[0] + indices * self.seq_len
-        part = np.searchsorted(self._begins, indices, side="right") - 1
-        return self._firsts[part] + (indices - self._begins[part]) * self.seq_len
+        if len(self._shifts) == 1:
+            return self._shifts[0] + indices * self.seq_len
+        # Once per micro-batch, so one lookup and one gather (the ndarray method skips numpy's dispatch).
+        return self._shifts[self._ends.searchsorted(indices, side="right")] + indices * self.seq_len
 
     def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         """Raw windows for sample ``indices``: tokens in the stored dtype, plus document starts."""
