@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules.prepare import write_shards
 
@@ -33,6 +34,21 @@ def make_token_shards(
     metadata.max_token_id = first_value + num_tokens - 1
     metadata.write(directory)
     return directory
+
+
+def quiet_trainer(**kwargs: object) -> Trainer:
+    """A CPU ``Trainer`` without logger, progress bar, summary or checkpoints unless asked for."""
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks") or [])
+    quiet = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+    return Trainer(**{**quiet, "enable_checkpointing": checkpointing, **kwargs})
+
+
+def make_mixture_shards(root: Path, sizes: dict[str, int], seq_len: int, value_stride: int) -> dict[str, Path]:
+    """One shard directory per source; source ``i``'s token values start at ``i * value_stride``."""
+    return {
+        name: make_token_shards(root / name, windows * seq_len + 1, shard_tokens=333, first_value=i * value_stride)
+        for i, (name, windows) in enumerate(sizes.items())
+    }
 
 
 def batch_digest(batch: dict[str, torch.Tensor]) -> str:

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -16,7 +15,7 @@ from callbacks.phase_scheduler import PhaseScheduler
 from datamodules import MixtureComponent, MixtureDataModule, TokenShardSource
 from datamodules.mixture_datamodule import mixture_probabilities
 from datamodules.sample_plan import largest_remainder_counts
-from tests.support import RecordingModel, make_token_shards
+from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 4, 10
 NAMES = ("a", "b", "c")
@@ -28,11 +27,7 @@ ID = 10**6  # source s holds token values from s * ID, so a window names its sou
 
 @pytest.fixture(scope="module")
 def shard_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mixture")
-    return {
-        name: make_token_shards(root / name, SIZES[name] * SEQ_LEN + 1, shard_tokens=333, first_value=i * ID)
-        for i, name in enumerate(NAMES)
-    }
+    return make_mixture_shards(tmp_path_factory.mktemp("mixture"), SIZES, SEQ_LEN, ID)
 
 
 def make_dm(shard_dirs: dict[str, Path], weights: dict[str, float] = BASE, **kwargs) -> MixtureDataModule:
@@ -58,16 +53,7 @@ def fit(
     if ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1))
     model = RecordingModel()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=bool(ckpt_every),
-        callbacks=callbacks,
-        reload_dataloaders_every_n_epochs=reload_every,
-    )
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=callbacks, reload_dataloaders_every_n_epochs=reload_every)
     trainer.fit(model, datamodule=dm, ckpt_path=resume)
     return model.records
 
@@ -208,16 +194,7 @@ def test_a_phase_zeroing_every_source_fails_at_setup(shard_dirs: dict[str, Path]
 def test_phase_scheduler_logs_phase_weights_and_realized_counts(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
     dm = make_dm(shard_dirs)
     logger = CSVLogger(tmp_path, name="logs")
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=8,
-        logger=logger,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[PhaseScheduler(PHASES)],
-    )
+    trainer = quiet_trainer(max_steps=8, logger=logger, log_every_n_steps=1, callbacks=[PhaseScheduler(PHASES)])
     model = RecordingModel()
     trainer.fit(model, datamodule=dm)
     with open(Path(logger.log_dir) / "metrics.csv") as f:

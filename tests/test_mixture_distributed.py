@@ -20,7 +20,7 @@ from datamodules import MixtureComponent, MixtureDataModule, SamplePlan, TokenSh
 from datamodules.mixture_datamodule import mixture_probabilities
 from datamodules.sample_plan import Segment, largest_remainder_counts
 from tests.distributed_support import Run, assert_positions_consumed_once, train_record
-from tests.support import make_token_shards
+from tests.support import make_mixture_shards
 
 SEQ_LEN, BATCH, SEED, LR = 4, 5, 3, 0.01  # BATCH rows per rank; LR of RecordingModel's SGD
 NAMES = ("a", "b", "c")
@@ -84,11 +84,7 @@ def expected_lrs(steps: range) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def shard_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mixture")
-    return {
-        name: make_token_shards(root / name, SIZES[name] * SEQ_LEN + 1, shard_tokens=333, first_value=i * ID)
-        for i, name in enumerate(NAMES)
-    }
+    return make_mixture_shards(tmp_path_factory.mktemp("mixture"), SIZES, SEQ_LEN, ID)
 
 
 def train(shard_dirs: dict[str, Path], root: Path, devices: int, resume: Path | None = None) -> Run:

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from callbacks.phase_scheduler import PhaseScheduler
 from datamodules import TokenShardDataModule
-from tests.support import RecordingModel, make_token_shards
+from tests.support import RecordingModel, make_token_shards, quiet_trainer
 
 PHASES = [{"start_step": 4, "lr_scale": 0.5}, {"start_step": 9, "lr_scale": 0.1}]
 STEPS = 14
@@ -58,16 +57,7 @@ class ScheduledModel(RecordingModel):
 def train(shards: Path, scheduler: str, callbacks: list, logger: CSVLogger | bool = False) -> ScheduledModel:
     model = ScheduledModel(scheduler)
     dm = TokenShardDataModule(shards, seq_len=8, batch_size=2)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=logger,
-        callbacks=callbacks,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer(max_steps=STEPS, logger=logger, callbacks=callbacks, log_every_n_steps=1)
     trainer.fit(model, datamodule=dm)
     return model
 

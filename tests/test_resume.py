@@ -6,11 +6,11 @@ import warnings
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import TokenShardDataModule
-from tests.support import RecordingModel, make_token_shards
+from tests.support import RecordingModel, make_token_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 8, 4
 STEPS_PER_EPOCH = 10
@@ -35,16 +35,7 @@ def fit(
     dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=num_workers, seed=seed)
     model = RecordingModel()
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1)] if ckpt_every else []
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=bool(callbacks),
-        callbacks=callbacks,
-        accumulate_grad_batches=accumulate,
-    )
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=callbacks, accumulate_grad_batches=accumulate)
     trainer.fit(model, datamodule=dm, ckpt_path=resume)
     return model.records
 
@@ -121,14 +112,7 @@ def test_resume_with_changed_data_is_refused_and_names_the_change(tmp_path: Path
 def test_allow_plan_change_resumes_at_the_saved_position(tmp_path: Path, shards: Path) -> None:
     fit(shards, 3, 0, tmp_path, ckpt_every=3)
     dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, seed=2, allow_plan_change=True)
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=5,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = quiet_trainer(max_steps=5)
     model = RecordingModel()
     trainer.fit(model, datamodule=dm, ckpt_path=checkpoint_at(tmp_path, 3))
     assert len(model.records) == 2
