@@ -6,6 +6,7 @@ in the same run; the tables written here are the record.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -125,3 +126,11 @@ def report(
     }
     (results_dir / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"results written to {results_dir / name}.{{json,md}}")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, data: bool = True) -> None:
+    """The flags every benchmark shares: where data and results go, and ``--quick`` smoke runs."""
+    if data:
+        parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
+    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.common import cached_token_shards, data_directory, report, results_directory
+from benchmarks.common import add_run_arguments, cached_token_shards, data_directory, report, results_directory
 from datamodules import TokenShardDataModule
 
 
@@ -106,9 +106,7 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0, help="timed seconds per contender")
     parser.add_argument("--warmup", type=int, default=50, help="untimed batches per contender")
-    parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
-    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")
+    add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.num_tokens, args.seconds, args.warmup = 4_000_000, 0.5, 5

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import cached_token_shards, data_directory, report, results_directory
+from benchmarks.common import add_run_arguments, cached_token_shards, data_directory, report, results_directory
 from benchmarks.loader_throughput import endless, throughput
 from datamodules import MixtureComponent, MixtureDataModule, TokenShardDataModule, TokenShardSource
 
@@ -71,9 +71,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="alternating timed rounds per loader")
     parser.add_argument("--seconds", type=float, default=1.5, help="timed seconds per loader per round")
     parser.add_argument("--warmup", type=int, default=100, help="untimed batches per loader per round")
-    parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
-    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")
+    add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.num_tokens, args.rounds, args.seconds, args.warmup = 4_000_000, 2, 0.3, 5

@@ -13,13 +13,12 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 
-from benchmarks.common import report, results_directory
+from benchmarks.common import add_run_arguments, report, results_directory
 from datamodules.sample_plan import PlannedSource, SamplePlan, Segment, largest_remainder_counts
 
 
@@ -96,8 +95,7 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=10**10)
     parser.add_argument("--position", type=int, default=10**12, help="the position to seek to")
     parser.add_argument("--repeats", type=int, default=2000, help="timed calls per measurement")
-    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats: a smoke run of a second")
+    add_run_arguments(parser, data=False)
     args = parser.parse_args()
     if args.quick:
         args.repeats = 50

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks.common import cached_token_shards, data_directory, report, results_directory
+from benchmarks.common import add_run_arguments, cached_token_shards, data_directory, report, results_directory
 from datamodules import TokenShardDataModule
 
 
@@ -37,9 +36,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=10**6, help="the training step to resume at")
     parser.add_argument("--repeats", type=int, default=31, help="timed first batches per (start, workers)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers values to time")
-    parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
-    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")
+    add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.num_tokens, args.repeats = 4_000_000, 3

@@ -14,7 +14,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.common import data_directory, report, results_directory, warm_page_cache, write_token_shards
+from benchmarks.common import (
+    add_run_arguments,
+    data_directory,
+    report,
+    results_directory,
+    warm_page_cache,
+    write_token_shards,
+)
 from datamodules import TokenShardDataModule, TokenShards
 from datamodules.shard_metadata import METADATA_FILE, ShardInfo, ShardMetadata
 
@@ -49,9 +56,7 @@ def main() -> None:
     parser.add_argument("--num-shards", type=int, default=1000)
     parser.add_argument("--tokens-per-shard", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=7, help="timed opens per variant, after the first")
-    parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
-    parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
-    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")
+    add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.num_shards, args.tokens_per_shard, args.repeats = 50, 10_000, 2
