@@ -60,7 +60,7 @@ def batch_digest(batch: dict[str, torch.Tensor]) -> str:
 
 
 class RecordingModel(LightningModule):
-    """A one-layer model that records, for every training batch, its digest and window starts.
+    """A one-layer model that records, for every training batch, its digest, window starts and LR.
 
     Args:
         record_path: if given, each rank appends its records there as JSON lines
@@ -78,6 +78,7 @@ class RecordingModel(LightningModule):
             "step": self.global_step,
             "digest": batch_digest(batch),
             "starts": batch["input_ids"][:, 0].tolist(),
+            "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
         }
         self.records.append(record)
         if self.record_path:

@@ -113,8 +113,9 @@ def test_resume_across_a_phase_change_trains_identical_batches(
     killed = fit(shard_dirs, stop + 2, num_workers, ckpt_dir=tmp_path, ckpt_every=stop)
     (ckpt,) = tmp_path.glob(f"*-step={stop}.ckpt")
     resumed = fit(shard_dirs, 10, num_workers, resume=ckpt)
-    trained = [r["digest"] for r in killed if r["step"] < stop] + [r["digest"] for r in resumed]
-    assert trained == [r["digest"] for r in expected]
+    trained = [r for r in killed if r["step"] < stop] + resumed
+    assert [r["digest"] for r in trained] == [r["digest"] for r in expected]
+    assert [r["lr"] for r in trained] == [r["lr"] for r in expected] == [0.01] * 5 + [0.005] * 5
 
 
 def test_reloading_the_train_loader_every_epoch_keeps_the_trained_schedule(
