@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 
 from benchmarks.common import add_run_arguments, report, results_directory
-from datamodules.sample_plan import PlannedSource, SamplePlan, Segment, largest_remainder_counts
+from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, largest_remainder_counts
 
 
 def single_source(num_samples: int) -> SamplePlan:

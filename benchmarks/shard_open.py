@@ -23,7 +23,7 @@ from benchmarks.common import (
     write_token_shards,
 )
 from datamodules import TokenShardDataModule, TokenShards
-from datamodules.shard_metadata import METADATA_FILE, ShardInfo, ShardMetadata
+from datamodules.text.shard_metadata import METADATA_FILE, ShardInfo, ShardMetadata
 
 
 def write_metadata(directory: Path, paths: list[Path], tokens_per_shard: list[int]) -> None:

@@ -1,18 +1,32 @@
 """Lightning DataModules for language and vision-language model training.
 
-Every source is served through one global sample plan: deterministic order, exact O(1) resume.
+Every source is served through one global sample plan (``datamodules.plan``): deterministic order,
+exact O(1) resume. Source families live in subpackages (``datamodules.text``, ...); their public
+names are exported here and imported on first use, so a command such as ``prepare`` starts without
+loading torch and Lightning.
 """
 
-from datamodules.mixture_datamodule import MixtureComponent, MixtureDataModule
-from datamodules.plan_datamodule import PlanDataModule
-from datamodules.sample_plan import PlannedSource, SamplePlan
-from datamodules.token_shard_datamodule import TokenShardDataModule
-from datamodules.token_shard_source import TokenShardSource
-from datamodules.token_shards import TokenShards
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "MixtureComponent": "datamodules.mixture",
+    "MixtureDataModule": "datamodules.mixture",
+    "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
+    "PlanDataModule": "datamodules.plan.datamodule",
+    "PlannedSource": "datamodules.plan.sample_plan",
+    "SamplePlan": "datamodules.plan.sample_plan",
+    "TokenShardDataModule": "datamodules.text.token_shard_datamodule",
+    "TokenShardSource": "datamodules.text.token_shard_source",
+    "TokenShards": "datamodules.text.token_shards",
+}
 
 __all__ = [
     "MixtureComponent",
     "MixtureDataModule",
+    "PhaseScheduler",
     "PlanDataModule",
     "PlannedSource",
     "SamplePlan",
@@ -20,3 +34,24 @@ __all__ = [
     "TokenShardSource",
     "TokenShards",
 ]
+
+if TYPE_CHECKING:
+    from datamodules.callbacks.phase_scheduler import PhaseScheduler
+    from datamodules.mixture import MixtureComponent, MixtureDataModule
+    from datamodules.plan.datamodule import PlanDataModule
+    from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.text.token_shard_datamodule import TokenShardDataModule
+    from datamodules.text.token_shard_source import TokenShardSource
+    from datamodules.text.token_shards import TokenShards
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'datamodules' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from datamodules.cli import main as cli_main
-from datamodules.prepare import prepare
+from datamodules.text.prepare import prepare
 from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
 
 log = logging.getLogger("quickstart")

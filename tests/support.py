@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from datamodules.prepare import write_shards
+from datamodules.text.prepare import write_shards
 
 
 def make_token_shards(

@@ -32,9 +32,14 @@ sys.path.insert(0, str(_TESTS.parent))
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from callbacks.phase_scheduler import PhaseScheduler  # noqa: E402
-from datamodules import MixtureComponent, MixtureDataModule, TokenShardDataModule, TokenShardSource  # noqa: E402
-from datamodules.plan_datamodule import PlanDataModule  # noqa: E402
+from datamodules import (  # noqa: E402
+    MixtureComponent,
+    MixtureDataModule,
+    PhaseScheduler,  # noqa: E402
+    TokenShardDataModule,
+    TokenShardSource,
+)
+from datamodules.plan.datamodule import PlanDataModule  # noqa: E402
 from tests.support import RecordingModel  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from datamodules.shard_metadata import METADATA_FILE, ShardMetadata
+from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class TokenShards:
             if bins:
                 raise ValueError(
                     f"{self.directory} holds raw .bin shards ({bins[0]}, ...) but no {METADATA_FILE}; "
-                    "a .bin file does not record its dtype, so write metadata (python -m datamodules.prepare) "
+                    "a .bin file does not record its dtype, so write metadata (python -m datamodules.text.prepare) "
                     "or convert the shards to .npy"
                 )
         if not names:

@@ -10,8 +10,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 
-from callbacks.phase_scheduler import PhaseScheduler
-from datamodules import TokenShardDataModule
+from datamodules import PhaseScheduler, TokenShardDataModule
 from tests.support import RecordingModel, make_token_shards, quiet_trainer
 
 PHASES = [{"start_step": 4, "lr_scale": 0.5}, {"start_step": 9, "lr_scale": 0.1}]

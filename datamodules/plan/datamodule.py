@@ -16,10 +16,10 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from datamodules.parallelism import data_parallel_rank_and_size
-from datamodules.plan_loader import PlanDataLoader, PlanDataset, Source
-from datamodules.plan_sampler import PlanSampler
-from datamodules.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
+from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source
+from datamodules.plan.parallelism import data_parallel_rank_and_size
+from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
+from datamodules.plan.sampler import PlanSampler
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.permutation import permute, round_keys
+from datamodules.plan.permutation import permute, round_keys
 
 # Feistel stream id of the in-block shuffle; sources use their index as stream id.
 _BLOCK_STREAM = 2**32

@@ -11,10 +11,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from callbacks.phase_scheduler import PhaseScheduler
-from datamodules import MixtureComponent, MixtureDataModule, TokenShardSource
-from datamodules.mixture_datamodule import mixture_probabilities
-from datamodules.sample_plan import largest_remainder_counts
+from datamodules import MixtureComponent, MixtureDataModule, PhaseScheduler, TokenShardSource
+from datamodules.mixture import mixture_probabilities
+from datamodules.plan.sample_plan import largest_remainder_counts
 from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 4, 10

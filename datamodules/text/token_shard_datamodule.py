@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datamodules.plan_datamodule import PlanDataModule
-from datamodules.token_shard_source import TokenShardSource
-from datamodules.token_windows import TokenWindows
+from datamodules.plan.datamodule import PlanDataModule
+from datamodules.text.token_shard_source import TokenShardSource
+from datamodules.text.token_windows import TokenWindows
 
 
 class TokenShardDataModule(PlanDataModule):
@@ -14,7 +14,7 @@ class TokenShardDataModule(PlanDataModule):
 
     Args:
         data_dir: directory of ``.npy`` shards, or ``.bin`` shards with ``metadata.json``
-            (written by ``python -m datamodules.prepare``).
+            (written by ``python -m datamodules.text.prepare``).
         seq_len: tokens per sequence; each window reads ``seq_len + 1`` tokens.
         batch_size: sequences per data-parallel rank per micro-batch.
         val_dir: shards for validation; or use ``val_fraction``.

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from datamodules.plan_loader import SourceSpec
-from datamodules.token_shards import TokenShards
-from datamodules.token_windows import TokenWindows
+from datamodules.plan.loader import SourceSpec
+from datamodules.text.token_shards import TokenShards
+from datamodules.text.token_windows import TokenWindows
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from datamodules.permutation import permute, round_keys
-from datamodules.sample_plan import (
+from datamodules.plan.permutation import permute, round_keys
+from datamodules.plan.sample_plan import (
     PlannedSource,
     SamplePlan,
     Segment,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from datamodules import MixtureComponent, MixtureDataModule, SamplePlan, TokenShardSource
-from datamodules.mixture_datamodule import mixture_probabilities
-from datamodules.sample_plan import Segment, largest_remainder_counts
+from datamodules.mixture import mixture_probabilities
+from datamodules.plan.sample_plan import Segment, largest_remainder_counts
 from tests.distributed_support import Run, assert_positions_consumed_once, train_record
 from tests.support import make_mixture_shards
 

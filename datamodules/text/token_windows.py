@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from datamodules.token_shards import TokenShards
-
-IGNORE_INDEX = -100
+from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.text.token_shards import TokenShards
 
 
 class TokenWindows:
@@ -48,7 +47,7 @@ class TokenWindows:
         if pack_sequences and shards.document_starts is None:
             raise ValueError(
                 f"pack_sequences=True needs document boundaries, but {shards.directory} has no "
-                "metadata.json with document_starts; write the shards with python -m datamodules.prepare"
+                "metadata.json with document_starts; write the shards with python -m datamodules.text.prepare"
             )
         self.num_windows = (span - 1) // seq_len
         self.fingerprint = f"{shards.fingerprint}:{first_token}:{self.last_token}:{seq_len}:{int(pack_sequences)}"

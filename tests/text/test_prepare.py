@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from datamodules import TokenShardDataModule, TokenShards
-from datamodules.prepare import main, prepare
-from datamodules.shard_metadata import smallest_token_dtype
+from datamodules.text.prepare import main, prepare
+from datamodules.text.shard_metadata import smallest_token_dtype
 from examples.default_corpus import train_tokenizer
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(40)]

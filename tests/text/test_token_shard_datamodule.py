@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datamodules import TokenShardDataModule
-from datamodules.shard_metadata import ShardInfo, ShardMetadata
+from datamodules.text.shard_metadata import ShardInfo, ShardMetadata
 from tests.support import make_token_shards
 
 

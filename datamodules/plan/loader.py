@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.sample_plan import SamplePlan
-from datamodules.token_windows import IGNORE_INDEX
+from datamodules.plan.sample_plan import SamplePlan
 
+IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 _GROUP = 16  # micro-batches per worker message
 

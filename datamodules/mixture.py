@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan_datamodule import PlanDataModule
-from datamodules.plan_loader import Source, SourceSpec
-from datamodules.sample_plan import SamplePlan, Segment, largest_remainder_counts
+from datamodules.plan.datamodule import PlanDataModule
+from datamodules.plan.loader import Source, SourceSpec
+from datamodules.plan.sample_plan import SamplePlan, Segment, largest_remainder_counts
 
 log = logging.getLogger(__name__)
 

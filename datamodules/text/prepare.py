@@ -1,4 +1,4 @@
-"""Tokenize text into token shards plus ``metadata.json``: ``python -m datamodules.prepare``.
+"""Tokenize text into token shards plus ``metadata.json``: ``python -m datamodules.text.prepare``.
 
 Inputs are text files (one document per file), JSONL/JSON, parquet, a dataset saved with
 ``save_to_disk``, or a HuggingFace hub name. Re-running on unchanged input does nothing.
@@ -19,7 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from datamodules.shard_metadata import (
+from datamodules.text.shard_metadata import (
     DOCUMENT_STARTS_FILE,
     METADATA_FILE,
     ShardInfo,
@@ -176,7 +176,7 @@ def write_shards(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m datamodules.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m datamodules.text.prepare", description=__doc__)
     parser.add_argument("inputs", nargs="+", help="text/JSONL/parquet files, a save_to_disk folder or a hub name")
     parser.add_argument("--output", required=True, help="directory for shards and metadata.json")
     parser.add_argument("--tokenizer", required=True, help="tokenizer name or local path (AutoTokenizer)")
