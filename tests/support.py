@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from datamodules.text.prepare import write_shards
+from datamodules.text.shard_writer import ShardWriter
 
 
 def make_token_shards(
@@ -28,9 +28,10 @@ def make_token_shards(
     prepare command writes it.
     """
     tokens = np.arange(first_value, first_value + num_tokens, dtype=np.int64)
-    documents = [tokens[i : i + doc_len] for i in range(0, num_tokens, doc_len)]
-    lengths = np.array([len(d) for d in documents], dtype=np.int64)
-    metadata = write_shards(iter(documents), lengths, directory, np.dtype(dtype), shard_tokens or num_tokens)
+    lengths = np.diff([*range(0, num_tokens, doc_len), num_tokens])
+    writer = ShardWriter(directory, dtype, shard_tokens or num_tokens)
+    writer.add(tokens, lengths)
+    metadata = writer.close()
     metadata.max_token_id = first_value + num_tokens - 1
     metadata.write(directory)
     return directory

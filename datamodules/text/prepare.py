@@ -1,7 +1,10 @@
 """Tokenize text into token shards plus ``metadata.json``: ``python -m datamodules.text.prepare``.
 
-Inputs are text files (one document per file), JSONL/JSON, parquet, a dataset saved with
-``save_to_disk``, or a HuggingFace hub name. Re-running on unchanged input does nothing.
+Inputs are files (text, JSON lines, parquet; gzip/zstd/bz2/xz compressed), directories of them, a
+``save_to_disk`` folder or a hub name. Documents stream through ``--num-proc`` tokenizer processes
+into shards, so memory is bounded by a batch, not the corpus. Output is written under a temporary
+name and renamed when complete; a re-run on unchanged input returns at once. ``--num-parts N
+--part-index i`` prepares one deterministic slice into ``output/part-0000i/`` for a job array.
 """
 
 from __future__ import annotations
@@ -10,77 +13,190 @@ import argparse
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
+import shutil
+import socket
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
+from typing import Any
 
-import datasets
 import numpy as np
-from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
-from datamodules.text.shard_metadata import (
-    DOCUMENT_STARTS_FILE,
-    METADATA_FILE,
-    ShardInfo,
-    ShardMetadata,
-    smallest_token_dtype,
+from datamodules.text.prepare_inputs import (
+    BadRows,
+    PrepareError,
+    document_batches,
+    looks_like_hub_name,
+    resolve_inputs,
 )
+from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata, smallest_token_dtype
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-_BUILDERS = {".txt": "text", ".md": "text", ".py": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+FORMAT_VERSION = 2
+PART_DIRECTORY = "part-{:05d}"
 
 
-def load_documents(inputs: Sequence[str], split: str = "train") -> datasets.Dataset:
-    """One dataset of documents from local files, a ``save_to_disk`` folder or a hub name."""
-    first = Path(inputs[0])
-    if first.is_dir() and any((first / f).exists() for f in ("state.json", "dataset_dict.json")):
-        loaded = datasets.load_from_disk(str(first))
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    if not first.exists():
-        return datasets.load_dataset(inputs[0], split=split)
-    files = [str(p) for p in map(Path, inputs) if p.is_file()]
-    missing = [p for p in inputs if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"input files not found: {missing[:5]}")
-    suffixes = {Path(f).suffix for f in files}
-    builders = {_BUILDERS.get(s, "text") for s in suffixes}
-    if len(builders) != 1:
-        raise ValueError(f"mix of input kinds {sorted(suffixes)}; prepare one kind at a time")
-    builder = builders.pop()
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+class DocumentTokenizer:
+    """Token ids of a batch of documents as one flat array: optional BOS, the text, the separator.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer name or local path (``AutoTokenizer``).
+        add_bos: start every document with the tokenizer's BOS token.
+        separator: token ending every document: ``"eos"`` (the tokenizer's EOS), or a token string
+            of the vocabulary such as ``"<|endoftext|>"``.
+    """
+
+    def __init__(self, tokenizer: str, add_bos: bool = False, separator: str = "eos") -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PrepareError(f"cannot load tokenizer {tokenizer!r}: {first[:200]}") from None
+        self.name = tokenizer
+        self.vocab_size = len(self.tokenizer)
+        self.bos_id = self._special_id("BOS", self.tokenizer.bos_token_id) if add_bos else None
+        if separator == "eos":
+            self.separator_id = self._special_id("EOS", self.tokenizer.eos_token_id)
+        else:
+            ids = self.tokenizer.convert_tokens_to_ids([separator])
+            if ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
+                raise PrepareError(f"separator {separator!r} is not a token of tokenizer {tokenizer!r}")
+            self.separator_id = int(ids[0])
+        self.dtype = np.dtype(smallest_token_dtype(self.vocab_size - 1))
+        # The Rust backend's batched encode without offsets is the fastest path a fast tokenizer has.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
+        self._encode_fast = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+
+    def _special_id(self, what: str, token_id: int | None) -> int:
+        if token_id is None:
+            raise PrepareError(f"tokenizer {self.name!r} has no {what} token; choose --separator or drop --add-bos")
+        return int(token_id)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens."""
+        if self._encode_fast is not None:
+            return [encoding.ids for encoding in self._encode_fast(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, lengths)``: every document's tokens one after another, and each one's length."""
+        ids = self.encode(texts)
+        content = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(map(len, ids)))
+        extra = (self.bos_id is not None) + 1
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + extra
+        ends = np.cumsum(lengths)
+        tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=self.dtype)
+        is_text = np.ones(len(tokens), dtype=bool)
+        if self.bos_id is not None:
+            tokens[ends - lengths], is_text[ends - lengths] = self.bos_id, False
+        tokens[ends - 1], is_text[ends - 1] = self.separator_id, False
+        tokens[is_text] = content
+        return tokens, lengths
 
 
-def input_fingerprint(inputs: Sequence[str], tokenizer: str, text_field: str, shard_tokens: int) -> str:
-    """Identity of a prepare run: inputs (path, size, mtime), tokenizer and options."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps([FORMAT_VERSION, tokenizer, text_field, shard_tokens]).encode())
-    for name in (*inputs, tokenizer):
-        path = Path(name)
+_worker_tokenizer: DocumentTokenizer | None = None
+
+
+def _init_worker(tokenizer: DocumentTokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_tokenizer(texts)
+
+
+def tokenized(
+    batches: Iterable[list[str]], tokenizer: DocumentTokenizer, num_proc: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``tokenizer`` over ``batches`` in order, in ``num_proc`` processes, a few batches in flight."""
+    if num_proc == 1:
+        yield from map(tokenizer, batches)
+        return
+    # fork hands every worker the loaded tokenizer; the window keeps memory at a few batches.
+    with multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (tokenizer,)) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_tokenize_in_worker, (batch,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _tokenizer_identity(tokenizer: str) -> list[str]:
+    path = Path(tokenizer).expanduser()
+    if path.exists():
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for file in files:
-            stat = file.stat() if file.exists() else None
-            h.update(f"{file}:{stat and stat.st_size}:{stat and stat.st_mtime_ns}".encode())
-    return h.hexdigest()
+        return [
+            f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+            for p in files
+        ]
+    if not looks_like_hub_name(tokenizer):
+        raise PrepareError(f"tokenizer path {tokenizer!r} does not exist")
+    return [f"hub:{tokenizer}"]
 
 
-class _Tokenize:
-    """Picklable map function: token ids of each document with EOS appended."""
+def _fingerprint(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value).encode(), digest_size=16).hexdigest()
 
-    def __init__(self, tokenizer_name: str, text_field: str) -> None:
-        self.tokenizer_name = tokenizer_name
-        self.text_field = text_field
-        self._tokenizer = None
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        if self._tokenizer is None:
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
-        eos = self._tokenizer.eos_token_id
-        ids = [doc + [eos] for doc in self._tokenizer(batch[self.text_field], add_special_tokens=False)["input_ids"]]
-        return {"input_ids": ids, "length": [len(d) for d in ids], "max_id": [max(d) for d in ids]}
+def _check_output(output: Path, fingerprint: str, names: str, overwrite: bool) -> ShardMetadata | None:
+    """The finished output of this very run, if there is one; refuses to replace another corpus."""
+    if (output / METADATA_FILE).exists():
+        existing = ShardMetadata.read(output)
+        if existing.source_fingerprint == fingerprint:
+            return existing
+        if existing.extra.get("inputs_fingerprint") == names:
+            log.info("the inputs of %s changed since it was prepared; preparing it again", output)
+        elif not overwrite:
+            raise PrepareError(
+                f"{output} already holds shards of other inputs or options (tokenizer {existing.tokenizer!r}, "
+                f"{existing.num_documents} documents); pass --overwrite to replace them, or choose another --output"
+            )
+    elif output.is_dir() and any(not p.name.startswith(".") for p in output.iterdir()) and not overwrite:
+        held = sorted(p.name for p in output.iterdir() if not p.name.startswith("."))
+        if any(name.startswith("part-") for name in held):
+            what = "prepared parts"
+        else:
+            what = f"files that are not a finished prepare output ({held[:3]})"
+        raise PrepareError(
+            f"{output} already holds {what}; pass --overwrite to replace them, or choose another --output"
+        )
+    return None
+
+
+def _partial_directory(output: Path) -> Path:
+    """A temporary sibling of ``output``, removed or renamed into place when the run ends."""
+    host = socket.gethostname()
+    for stale in output.parent.glob(f".{output.name}.partial-{host}-*"):
+        pid = int(stale.name.rsplit("-", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by an interrupted run", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            pass
+    return output.parent / f".{output.name}.partial-{host}-{os.getpid()}"
+
+
+def _publish(partial: Path, output: Path) -> None:
+    """Rename the finished ``partial`` to ``output``, replacing what was there (with --overwrite)."""
+    if output.exists():
+        replaced = output.parent / f".{output.name}.replaced-{os.getpid()}"
+        output.rename(replaced)
+        partial.rename(output)
+        shutil.rmtree(replaced)
+    else:
+        partial.rename(output)
 
 
 def prepare(
@@ -91,102 +207,132 @@ def prepare(
     num_proc: int | None = None,
     shard_tokens: int = 100_000_000,
     split: str = "train",
+    *,
+    glob: str | None = None,
+    add_bos: bool = False,
+    separator: str = "eos",
+    on_bad_row: str = "raise",
+    overwrite: bool = False,
+    num_parts: int = 1,
+    part_index: int = 0,
 ) -> ShardMetadata:
-    """Tokenize ``inputs`` into ``output``; returns the (possibly already present) metadata."""
-    if shard_tokens <= 0:
-        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
-    output = Path(output)
-    fingerprint = input_fingerprint(inputs, tokenizer, text_field, shard_tokens)
-    if (output / METADATA_FILE).exists():
-        existing = ShardMetadata.read(output)
-        if existing.source_fingerprint == fingerprint:
-            log.info("%s is up to date (%d tokens); nothing to do", output, existing.num_tokens)
-            return existing
-    loaded = AutoTokenizer.from_pretrained(tokenizer)
-    if loaded.eos_token_id is None:
-        raise ValueError(f"tokenizer {tokenizer!r} has no EOS token; documents need one to be separated")
-    docs = load_documents(inputs, split)
-    if text_field not in docs.column_names:
-        raise ValueError(f"input has no column {text_field!r}; columns are {docs.column_names}")
-    tokenized = docs.map(
-        _Tokenize(tokenizer, text_field),
-        batched=True,
-        num_proc=num_proc or min(os.cpu_count() or 1, 8),
-        remove_columns=docs.column_names,
-        desc="tokenizing",
-    )
-    lengths = np.asarray(tokenized["length"], dtype=np.int64)
-    if lengths.size == 0:
-        raise ValueError(f"no documents in {list(inputs)}")
-    max_id = int(max(tokenized["max_id"]))
-    dtype = smallest_token_dtype(max_id)
-    documents = (
-        doc for rows in tokenized.select_columns(["input_ids"]).iter(batch_size=1024) for doc in rows["input_ids"]
-    )
-    metadata = write_shards(documents, lengths, output, np.dtype(dtype), shard_tokens)
-    metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer, int(loaded.eos_token_id), max_id
-    metadata.source_fingerprint = fingerprint
-    metadata.write(output)
+    """Tokenize ``inputs`` into ``output`` (or its part directory); returns the metadata written.
+
+    A finished output of the same inputs and options is returned untouched; one of other inputs or
+    options is refused unless ``overwrite``.
+    """
+    num_proc = num_proc or min(os.cpu_count() or 1, 8)
+    for name, value, low in (("num_proc", num_proc, 1), ("shard_tokens", shard_tokens, 1), ("num_parts", num_parts, 1)):
+        if not isinstance(value, int) or value < low:
+            raise PrepareError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not 0 <= part_index < num_parts:
+        raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
+    bad_rows = BadRows(on_bad_row)
+    corpus = resolve_inputs(list(inputs), split=split, glob=glob)
+    if num_parts > 1:
+        corpus = corpus.part(part_index, num_parts)
+    root = Path(output)
+    output = root / PART_DIRECTORY.format(part_index) if num_parts > 1 else root
+    if num_parts > 1 and (root / METADATA_FILE).exists() and not overwrite:
+        raise PrepareError(f"{root} already holds a corpus prepared in one part; pass --overwrite or another --output")
+    options = [FORMAT_VERSION, text_field, shard_tokens, split, add_bos, separator, on_bad_row, num_parts, part_index]
+    # What the output is of (inputs by name, tokenizer, options), and that plus the inputs' sizes and
+    # times: the same corpus re-prepared after an edit is replaced, another corpus is refused.
+    names = _fingerprint([options, tokenizer, corpus.names()])
+    fingerprint = _fingerprint([options, _tokenizer_identity(tokenizer), corpus.identity()])
+    existing = _check_output(output, fingerprint, names, overwrite)
+    if existing is not None:
+        log.info("%s is up to date (%d tokens); nothing to do", output, existing.num_tokens)
+        return existing
+
+    # Every process tokenizes on one thread: --num-proc is the one knob of parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos, separator=separator)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = _partial_directory(output)
+    try:
+        metadata = _write(corpus, text_field, bad_rows, document_tokenizer, num_proc, partial, shard_tokens)
+        metadata.source_fingerprint = fingerprint
+        metadata.extra = {"part_index": part_index, "num_parts": num_parts, "add_bos": add_bos, "separator": separator}
+        metadata.extra.update(bad_rows_skipped=bad_rows.count, inputs_fingerprint=names)
+        metadata.write(partial)
+        _publish(partial, output)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    if bad_rows.count:
+        log.warning("skipped %d rows without text, e.g. %s", bad_rows.count, "; ".join(bad_rows.examples[:3]))
     log.info("wrote %d tokens in %d documents to %s", metadata.num_tokens, metadata.num_documents, output)
     return metadata
 
 
-def write_shards(
-    documents: Iterator[np.ndarray], lengths: np.ndarray, output: Path, dtype: np.dtype, shard_tokens: int
+def _write(
+    corpus: Any,
+    text_field: str,
+    bad_rows: BadRows,
+    tokenizer: DocumentTokenizer,
+    num_proc: int,
+    directory: Path,
+    shard_tokens: int,
 ) -> ShardMetadata:
-    """Write ``documents`` (token arrays, EOS included, of the given ``lengths``) as ``.npy`` shards.
+    from tqdm.auto import tqdm
 
-    Returns the metadata (not yet written): dtype, per-shard counts and the content hash. Document
-    starts go to ``document_starts.npy``.
-    """
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    for stale in [*output.glob("shard_*.npy"), output / METADATA_FILE]:
-        stale.unlink(missing_ok=True)
-    total = int(lengths.sum())
-    document_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    np.save(output / DOCUMENT_STARTS_FILE, document_starts)
-    shards, digest = [], hashlib.blake2b(digest_size=16)
-    pending = np.empty(0, dtype=dtype)
-    with tqdm(total=total, unit="tok", desc="writing shards") as bar:
-        for i, start in enumerate(range(0, total, shard_tokens)):
-            size = min(shard_tokens, total - start)
-            name = f"shard_{i:05d}.npy"
-            out = np.lib.format.open_memmap(output / name, mode="w+", dtype=dtype, shape=(size,))
-            filled = 0
-            while filled < size:
-                if pending.size == 0:
-                    pending = np.asarray(next(documents), dtype=dtype)
-                take = min(size - filled, pending.size)
-                out[filled : filled + take] = pending[:take]
-                digest.update(pending[:take].tobytes())
-                pending, filled = pending[take:], filled + take
-                bar.update(take)
-            out.flush()
-            del out
-            docs = int(np.searchsorted(document_starts, start + size) - np.searchsorted(document_starts, start))
-            shards.append(ShardInfo(name, size, docs))
-    return ShardMetadata(
-        dtype=dtype.name,
-        shards=shards,
-        num_tokens=total,
-        num_documents=int(lengths.size),
-        content_hash=digest.hexdigest(),
-    )
+    from datamodules.text.shard_writer import ShardWriter
+
+    writer = ShardWriter(directory, tokenizer.dtype, shard_tokens)
+    max_id = -1
+    started = time.perf_counter()
+    with tqdm(unit="doc", desc="tokenizing", unit_scale=True) as bar:
+        for tokens, lengths in tokenized(document_batches(corpus, text_field, bad_rows), tokenizer, num_proc):
+            writer.add(tokens, lengths)
+            max_id = max(max_id, int(tokens.max()))
+            bar.update(len(lengths))
+            bar.set_postfix(tokens=writer.num_tokens, refresh=False)
+    metadata = writer.close()
+    if metadata.num_documents == 0:
+        raise PrepareError(f"no documents in the inputs ({corpus.identity()[:3]}...)")
+    log.info("tokenized at %.0f tokens/s", metadata.num_tokens / max(time.perf_counter() - started, 1e-9))
+    metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer.name, tokenizer.separator_id, max_id
+    metadata.bos_id = tokenizer.bos_id
+    return metadata
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m datamodules.text.prepare", description=__doc__)
-    parser.add_argument("inputs", nargs="+", help="text/JSONL/parquet files, a save_to_disk folder or a hub name")
+    parser.add_argument("inputs", nargs="+", help="files, directories, a save_to_disk folder or a hub name")
     parser.add_argument("--output", required=True, help="directory for shards and metadata.json")
     parser.add_argument("--tokenizer", required=True, help="tokenizer name or local path (AutoTokenizer)")
-    parser.add_argument("--text-field", default="text", help="column holding the text (default: text)")
-    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: CPU count)")
+    parser.add_argument("--text-field", default="text", help="column or JSON key holding the text (default: text)")
+    parser.add_argument("--glob", help="files of an input directory to read (default: all), e.g. '**/*.jsonl.gz'")
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: CPU count, max 8)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     parser.add_argument("--split", default="train", help="split of a hub or saved dataset (default: train)")
+    parser.add_argument("--add-bos", action="store_true", help="start every document with the BOS token")
+    parser.add_argument("--separator", default="eos", help="token ending every document (default: eos)")
+    parser.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise", help="rows without text")
+    parser.add_argument("--overwrite", action="store_true", help="replace an output of other inputs or options")
+    parser.add_argument("--num-parts", type=int, default=1, help="split the inputs into this many parts ...")
+    parser.add_argument("--part-index", type=int, default=0, help="... and prepare this one into output/part-0000i")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    prepare(args.inputs, args.output, args.tokenizer, args.text_field, args.num_proc, args.shard_tokens, args.split)
+    try:
+        prepare(
+            args.inputs,
+            args.output,
+            args.tokenizer,
+            args.text_field,
+            args.num_proc,
+            args.shard_tokens,
+            args.split,
+            glob=args.glob,
+            add_bos=args.add_bos,
+            separator=args.separator,
+            on_bad_row=args.on_bad_row,
+            overwrite=args.overwrite,
+            num_parts=args.num_parts,
+            part_index=args.part_index,
+        )
+    except PrepareError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class ShardMetadata:
     num_tokens: int
     num_documents: int
     tokenizer: str = ""
-    eos_id: int | None = None
+    eos_id: int | None = None  # the token ending every document (the separator)
+    bos_id: int | None = None  # the token starting every document, if one was added
     max_token_id: int = 0
     content_hash: str = ""
     document_starts: str | None = DOCUMENT_STARTS_FILE

@@ -1,7 +1,9 @@
 """A directory of token shards read as one memory-mapped token stream.
 
-Shards are ``.npy`` files (dtype in the header) or raw ``.bin`` files whose dtype comes from
-``metadata.json``; a ``.bin`` without metadata is refused, never guessed.
+Layouts, by what the directory holds: shards written by prepare (``metadata.json``); a directory of
+prepared parts (``part-00000/``, ...), read in part order; Megatron-LM ``.bin``/``.idx`` pairs; or
+bare ``.npy`` files (dtype from the header). A ``.bin`` without metadata or index is refused, never
+guessed, and so are signed ids without metadata.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
 log = logging.getLogger(__name__)
 
 SHARD_SUFFIXES = (".npy", ".bin")
+PART_GLOB = "part-*"
 
 
 @dataclass(frozen=True)
@@ -28,118 +33,216 @@ class _Shard:
     dtype: str
 
 
-def _npy_layout(path: Path) -> tuple[np.dtype, int, int]:
-    """dtype, token count and data offset of a 1-D ``.npy`` file, reading only its header."""
-    array = np.load(path, mmap_mode="r")
+@dataclass
+class _Layout:
+    """What a layout reader finds: the shards in order, document starts, and the data's identity."""
+
+    dtype: np.dtype
+    shards: list[_Shard]
+    document_starts: np.ndarray | None
+    fingerprint: str
+    vocabulary: dict[str, Any] | None  # the tokenizer and EOS id that wrote the tokens, when recorded
+
+
+def _npy_shard(path: Path) -> _Shard:
+    """A 1-D ``.npy`` file as a shard, reading only its header."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"token shard {path} is truncated or not a .npy file ({err})") from None
     if array.ndim != 1:
         raise ValueError(f"token shard {path} must be 1-D, got shape {array.shape}")
-    return array.dtype, int(array.shape[0]), int(array.offset)
+    return _Shard(str(path), int(array.shape[0]), int(array.offset), array.dtype.name)
+
+
+def _bin_shard(path: Path, dtype: np.dtype) -> _Shard:
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise ValueError(f"shard {path} is {size} bytes, not a multiple of the {dtype} item size {dtype.itemsize}")
+    return _Shard(str(path), size // dtype.itemsize, 0, dtype.name)
+
+
+def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
+    # Names, sizes and both ends of every shard: cheap for thousands of files.
+    h = hashlib.blake2b(digest_size=16)
+    for shard in shards:
+        h.update(f"{Path(shard.path).name}:{shard.num_tokens}".encode())
+        with open(shard.path, "rb") as f:
+            h.update(f.read(4096))
+            f.seek(max(0, shard.offset + shard.num_tokens * itemsize - 4096))
+            h.update(f.read(4096))
+    return h.hexdigest()
+
+
+def _matching(directory: Path, suffixes: tuple[str, ...], file_pattern: str | None) -> list[Path]:
+    paths = directory.glob(file_pattern) if file_pattern else directory.iterdir()
+    return sorted(p for p in paths if p.is_file() and p.suffix in suffixes)
+
+
+def _prepared_layout(directory: Path) -> _Layout:
+    metadata = ShardMetadata.read(directory)
+    dtype = np.dtype(metadata.dtype)
+    shards = []
+    for info in metadata.shards:
+        path = directory / info.file
+        if not path.is_file():
+            raise FileNotFoundError(f"shard {info.file!r} listed in {directory / METADATA_FILE} is missing")
+        shard = _npy_shard(path) if path.suffix == ".npy" else _bin_shard(path, dtype)
+        if shard.dtype != dtype.name:
+            raise ValueError(f"shard {path} has dtype {shard.dtype}, expected {dtype}")
+        if shard.num_tokens != info.num_tokens:
+            raise ValueError(f"shard {path} holds {shard.num_tokens} tokens but {METADATA_FILE} says {info.num_tokens}")
+        shards.append(shard)
+    starts = None
+    if metadata.document_starts:
+        path = directory / metadata.document_starts
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}, named in {directory / METADATA_FILE}, is missing")
+        starts = np.load(path).astype(np.int64)
+    vocabulary = {"tokenizer": metadata.tokenizer, "eos_id": metadata.eos_id} if metadata.tokenizer else None
+    fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize)
+    return _Layout(dtype, shards, starts, fingerprint, vocabulary)
+
+
+def _megatron_layout(directory: Path, file_pattern: str | None) -> _Layout:
+    indexes = _matching(directory, (".idx",), file_pattern)
+    shards, starts, dtypes = [], [], set()
+    offset = 0
+    for idx in indexes:
+        index = read_index(idx)
+        data = idx.with_suffix(".bin")
+        if not data.is_file():
+            raise FileNotFoundError(f"Megatron index {idx} has no data file {data.name}")
+        shard = _bin_shard(data, index.dtype)
+        if shard.num_tokens != index.num_tokens:
+            raise ValueError(f"{data} holds {shard.num_tokens} tokens but its index {idx.name} says {index.num_tokens}")
+        shards.append(shard)
+        starts.append(index.document_starts + offset)
+        dtypes.add(index.dtype)
+        offset += shard.num_tokens
+    if len(dtypes) != 1:
+        raise ValueError(f"Megatron shards in {directory} have several dtypes {sorted(map(str, dtypes))}")
+    dtype = dtypes.pop()
+    return _Layout(dtype, shards, np.concatenate(starts), _content_fingerprint(shards, dtype.itemsize), None)
+
+
+def _npy_layout(directory: Path, file_pattern: str | None) -> _Layout:
+    paths = _matching(directory, SHARD_SUFFIXES, file_pattern)
+    bins = [p.name for p in paths if p.suffix == ".bin"]
+    if bins:
+        raise ValueError(
+            f"{directory} holds raw .bin shards ({bins[0]}, ...) but no {METADATA_FILE} or Megatron .idx; a .bin "
+            "file does not record its dtype, so write metadata (python -m datamodules.text.prepare) or use .npy"
+        )
+    if not paths:
+        where = f" matching {file_pattern!r}" if file_pattern else ""
+        raise ValueError(f"no token shards (*.npy or *.bin){where} in {directory}")
+    shards = [_npy_shard(p) for p in paths]
+    dtypes = {s.dtype for s in shards}
+    if len(dtypes) != 1:
+        raise ValueError(f"token shards in {directory} have several dtypes {sorted(dtypes)}")
+    dtype = np.dtype(dtypes.pop())
+    if dtype.kind == "i":
+        raise ValueError(
+            f"token shards in {directory} hold signed integers ({dtype}) and no {METADATA_FILE}: negative ids "
+            "cannot be token ids; store unsigned ids, or write metadata.json stating the dtype"
+        )
+    return _Layout(dtype, shards, None, _content_fingerprint(shards, dtype.itemsize), None)
+
+
+def _parts_layout(directory: Path, parts: list[Path]) -> _Layout:
+    layouts, indices = [], []
+    for part in parts:
+        layouts.append(_prepared_layout(part))
+        extra = ShardMetadata.read(part).extra
+        indices.append((extra.get("part_index"), extra.get("num_parts")))
+    totals = {n for _, n in indices}
+    if len(totals) != 1 or None in totals:
+        raise ValueError(f"the parts in {directory} disagree on how many parts there are: {sorted(map(str, totals))}")
+    total = totals.pop()
+    missing = sorted(set(range(total)) - {i for i, _ in indices})
+    if missing:
+        raise ValueError(
+            f"{directory} holds {len(parts)} of {total} prepared parts; part(s) {missing} are missing "
+            "(still being prepared, or their run failed)"
+        )
+    ordered = [layout for _, layout in sorted(zip(indices, layouts, strict=True), key=lambda p: p[0][0])]
+    vocabularies = {str(layout.vocabulary) for layout in ordered}
+    if len(vocabularies) != 1:
+        raise ValueError(f"the parts in {directory} were written by different tokenizers: {sorted(vocabularies)}")
+    return _concat(ordered)
+
+
+def _concat(layouts: list[_Layout]) -> _Layout:
+    offsets = np.cumsum([0] + [sum(s.num_tokens for s in layout.shards) for layout in layouts])
+    starts = [layout.document_starts for layout in layouts]
+    vocabularies = {str(layout.vocabulary): layout.vocabulary for layout in layouts}
+    fingerprint = hashlib.blake2b("+".join(layout.fingerprint for layout in layouts).encode(), digest_size=16)
+    return _Layout(
+        np.result_type(*(layout.dtype for layout in layouts)),
+        [shard for layout in layouts for shard in layout.shards],
+        None
+        if any(s is None for s in starts)
+        else np.concatenate([s + o for s, o in zip(starts, offsets, strict=False)]),
+        fingerprint.hexdigest(),
+        vocabularies.popitem()[1] if len(vocabularies) == 1 else None,
+    )
+
+
+def _read_layout(directory: Path, file_pattern: str | None) -> _Layout:
+    if (directory / METADATA_FILE).exists():
+        if file_pattern:
+            raise ValueError(f"file_pattern selects shards of directories without {METADATA_FILE}; {directory} has one")
+        return _prepared_layout(directory)
+    if _matching(directory, (".idx",), file_pattern):
+        return _megatron_layout(directory, file_pattern)
+    parts = sorted(p for p in directory.glob(PART_GLOB) if p.is_dir() and (p / METADATA_FILE).exists())
+    if parts and not file_pattern:
+        return _parts_layout(directory, parts)
+    return _npy_layout(directory, file_pattern)
 
 
 class TokenShards:
     """The tokens of every shard in ``directory``, concatenated in order, read without loading them.
 
     Args:
-        directory: folder holding ``.npy``/``.bin`` shards and, optionally, ``metadata.json``
-            (required for ``.bin`` shards and for document boundaries).
+        directory: a prepared directory (``metadata.json``, needed for ``.bin`` shards written by
+            prepare and for document boundaries), a directory of prepared ``part-*`` folders,
+            Megatron ``.bin``/``.idx`` pairs, or bare 1-D ``.npy`` files.
+        file_pattern: glob selecting the shard files (``.npy``, or Megatron ``.idx``) of a directory
+            without ``metadata.json``, e.g. ``"train_*.npy"``; default: all of them.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, file_pattern: str | None = None) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"token shard directory {str(self.directory)!r} does not exist")
-        self.metadata = ShardMetadata.read(self.directory) if (self.directory / METADATA_FILE).exists() else None
-        self.dtype, self._shards = self._open_shards()
-        sizes = np.array([s.num_tokens for s in self._shards], dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(sizes)])
+        self._set_layout(_read_layout(self.directory, file_pattern))
+
+    def _set_layout(self, layout: _Layout) -> None:
+        self.dtype = layout.dtype
+        self._shards = layout.shards
+        if self.dtype.kind not in "iu":
+            raise ValueError(f"token shards must hold integers, {self.directory} holds {self.dtype}")
+        self._starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in self._shards], dtype=np.int64)])
         self.num_tokens = int(self._starts[-1])
-        self.document_starts = self._read_document_starts()
-        self.fingerprint = self._fingerprint()
-        self._maps: dict[int, np.ndarray] = {}
-
-    def _open_shards(self) -> tuple[np.dtype, list[_Shard]]:
-        if self.metadata is not None:
-            names = [s.file for s in self.metadata.shards]
-            dtype = np.dtype(self.metadata.dtype)
-        else:
-            names = sorted(p.name for p in self.directory.iterdir() if p.suffix in SHARD_SUFFIXES)
-            dtype = None
-            bins = [n for n in names if n.endswith(".bin")]
-            if bins:
-                raise ValueError(
-                    f"{self.directory} holds raw .bin shards ({bins[0]}, ...) but no {METADATA_FILE}; "
-                    "a .bin file does not record its dtype, so write metadata (python -m datamodules.text.prepare) "
-                    "or convert the shards to .npy"
-                )
-        if not names:
-            raise ValueError(f"no token shards (*.npy or *.bin) in {self.directory}")
-        shards = []
-        for i, name in enumerate(names):
-            path = self.directory / name
-            if not path.is_file():
-                raise FileNotFoundError(f"shard {name!r} listed in {self.directory / METADATA_FILE} is missing")
-            if path.suffix == ".npy":
-                file_dtype, count, offset = _npy_layout(path)
-                if dtype is None:
-                    dtype = file_dtype
-                if file_dtype != dtype:
-                    raise ValueError(f"shard {path} has dtype {file_dtype}, expected {dtype}")
-            else:
-                size = path.stat().st_size
-                if size % dtype.itemsize:
-                    raise ValueError(
-                        f"shard {path} is {size} bytes, not a multiple of the {dtype} item size {dtype.itemsize}"
-                    )
-                count, offset = size // dtype.itemsize, 0
-            if self.metadata is not None and self.metadata.shards[i].num_tokens != count:
-                raise ValueError(
-                    f"shard {path} holds {count} tokens but {METADATA_FILE} says {self.metadata.shards[i].num_tokens}"
-                )
-            shards.append(_Shard(str(path), count, offset, dtype.name))
-        if dtype.kind not in "iu":
-            raise ValueError(f"token shards must hold integers, {self.directory} holds {dtype}")
-        return dtype, shards
-
-    def _read_document_starts(self) -> np.ndarray | None:
-        if self.metadata is None or not self.metadata.document_starts:
-            return None
-        starts = np.load(self.directory / self.metadata.document_starts)
-        if starts.ndim != 1 or (starts.size and (starts[0] != 0 or starts[-1] >= self.num_tokens)):
+        starts = layout.document_starts
+        if starts is not None and (
+            starts.ndim != 1 or (starts.size and (starts[0] != 0 or starts[-1] >= self.num_tokens))
+        ):
             raise ValueError(f"document starts in {self.directory} do not fit {self.num_tokens} tokens")
-        return starts.astype(np.int64)
-
-    def _fingerprint(self) -> str:
-        if self.metadata is not None and self.metadata.content_hash:
-            return self.metadata.content_hash
-        # Without metadata, hash names, sizes and both ends of every shard: cheap for thousands of files.
-        h = hashlib.blake2b(digest_size=16)
-        for shard in self._shards:
-            h.update(f"{Path(shard.path).name}:{shard.num_tokens}".encode())
-            with open(shard.path, "rb") as f:
-                h.update(f.read(4096))
-                f.seek(max(0, shard.offset + shard.num_tokens * self.dtype.itemsize - 4096))
-                h.update(f.read(4096))
-        return h.hexdigest()
+        self.document_starts = starts
+        self.fingerprint = layout.fingerprint
+        self.vocabulary = layout.vocabulary
+        self._layout = layout
+        self._maps: dict[int, np.ndarray] = {}
 
     @classmethod
     def concat(cls, parts: list[TokenShards]) -> TokenShards:
         """One stream of several shard directories, one after another (dtype: the widest)."""
         joined = cls.__new__(cls)
-        offsets = np.cumsum([0] + [p.num_tokens for p in parts])
         joined.directory = parts[0].directory
-        joined.metadata = None
-        joined.dtype = np.result_type(*(p.dtype for p in parts))
-        joined._shards = [shard for p in parts for shard in p._shards]
-        joined._starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in joined._shards])])
-        joined.num_tokens = int(offsets[-1])
-        docs = [p.document_starts for p in parts]
-        joined.document_starts = (
-            None
-            if any(d is None for d in docs)
-            else np.concatenate([d + o for d, o in zip(docs, offsets, strict=False)])
-        )
-        joined.fingerprint = "+".join(p.fingerprint for p in parts)
-        joined._maps = {}
+        joined._set_layout(_concat([p._layout for p in parts]))
         return joined
 
     def __getstate__(self) -> dict:

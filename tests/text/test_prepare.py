@@ -1,20 +1,30 @@
-"""The prepare command: text, JSONL, parquet and saved datasets into token shards plus metadata."""
+"""The prepare command: every input kind into token shards plus metadata, bad input, output safety, parts."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
+import zstandard
 from transformers import AutoTokenizer
 
 from datamodules import TokenShardDataModule, TokenShards
 from datamodules.text.prepare import main, prepare
+from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.shard_metadata import smallest_token_dtype
 from examples.default_corpus import train_tokenizer
 
+REPO = Path(__file__).resolve().parents[2]
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(40)]
 
 
@@ -26,15 +36,36 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(train_tokenizer([corpus], root / "tokenizer", vocab_size=300))
 
 
-def decoded_documents(output: Path, tokenizer: str) -> list[str]:
+def stream(output: Path) -> tuple[np.ndarray, list[int]]:
     shards = TokenShards(output)
     tokens = np.empty(shards.num_tokens, dtype=np.int64)
     shards.read_into(0, tokens)
-    bounds = [*shards.document_starts.tolist(), shards.num_tokens]
+    return tokens, shards.document_starts.tolist()
+
+
+def decoded_documents(output: Path, tokenizer: str, separator: int | None = None) -> list[str]:
+    tokens, starts = stream(output)
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    docs = [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    assert all(d[-1] == tok.eos_token_id and tok.eos_token_id not in d[:-1] for d in docs)
+    separator = tok.eos_token_id if separator is None else separator
+    docs = [tokens[a:b] for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True)]
+    assert all(d[-1] == separator and separator not in d[:-1] for d in docs)
     return [tok.decode(d[:-1].tolist()) for d in docs]
+
+
+def jsonl(docs: list[str], key: str = "text") -> bytes:
+    return "".join(json.dumps({key: d}) + "\n" for d in docs).encode()
+
+
+def cli_error(capsys: pytest.CaptureFixture, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one short line, no traceback
+    return err
+
+
+# Inputs
 
 
 def test_text_files_become_one_document_each(tmp_path: Path, tokenizer: str) -> None:
@@ -43,13 +74,13 @@ def test_text_files_become_one_document_each(tmp_path: Path, tokenizer: str) -> 
         files.append(tmp_path / f"doc{i}.txt")
         files[-1].write_text(doc + "\nsecond line")
     meta = prepare([str(f) for f in files], tmp_path / "out", tokenizer, num_proc=2, shard_tokens=50)
-    assert sorted(decoded_documents(tmp_path / "out", tokenizer)) == sorted(d + "\nsecond line" for d in DOCS[:5])
+    assert decoded_documents(tmp_path / "out", tokenizer) == [d + "\nsecond line" for d in DOCS[:5]]
     assert meta.num_documents == 5 and len(meta.shards) == -(-meta.num_tokens // 50)
 
 
 def test_jsonl_records_metadata_for_readers(tmp_path: Path, tokenizer: str) -> None:
     path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"content": d}) for d in DOCS))
+    path.write_bytes(jsonl(DOCS, "content"))
     prepare([str(path)], tmp_path / "out", tokenizer, text_field="content", num_proc=1)
     meta = json.loads((tmp_path / "out" / "metadata.json").read_text())
     tok = AutoTokenizer.from_pretrained(tokenizer)
@@ -60,30 +91,276 @@ def test_jsonl_records_metadata_for_readers(tmp_path: Path, tokenizer: str) -> N
     assert decoded_documents(tmp_path / "out", tokenizer) == DOCS
 
 
-def test_parquet_and_saved_datasets_give_the_same_shards(tmp_path: Path, tokenizer: str) -> None:
-    ds = datasets.Dataset.from_dict({"text": DOCS})
-    ds.to_parquet(tmp_path / "docs.parquet")
-    ds.save_to_disk(tmp_path / "saved")
-    a = prepare([str(tmp_path / "docs.parquet")], tmp_path / "a", tokenizer, num_proc=1)
-    b = prepare([str(tmp_path / "saved")], tmp_path / "b", tokenizer, num_proc=1)
-    assert a.content_hash == b.content_hash
-    assert decoded_documents(tmp_path / "a", tokenizer) == DOCS
+@pytest.mark.parametrize("name", ["docs.jsonl.gz", "docs.json.zst", "docs.jsonl.bz2", "docs.json", "docs.parquet"])
+def test_every_record_format_and_compression_gives_the_same_tokens(tmp_path: Path, tokenizer: str, name: str) -> None:
+    plain = tmp_path / "plain.jsonl"
+    plain.write_bytes(jsonl(DOCS))
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        path.write_bytes(gzip.compress(jsonl(DOCS)))
+    elif name.endswith(".zst"):
+        path.write_bytes(zstandard.ZstdCompressor().compress(jsonl(DOCS)))
+    elif name.endswith(".bz2"):
+        path.write_bytes(bz2.compress(jsonl(DOCS)))
+    elif name.endswith(".parquet"):
+        datasets.Dataset.from_dict({"text": DOCS}).to_parquet(path)
+    else:  # a JSON array of records
+        path.write_text(json.dumps([{"text": d} for d in DOCS]))
+    a = prepare([str(plain)], tmp_path / "a", tokenizer, num_proc=1)
+    b = prepare([str(path)], tmp_path / "b", tokenizer, num_proc=1)
+    assert a.content_hash == b.content_hash and b.num_documents == len(DOCS)
 
 
-def test_rerun_on_unchanged_input_is_a_no_op(tmp_path: Path, tokenizer: str) -> None:
+def test_compressed_text_files_are_decompressed(tmp_path: Path, tokenizer: str) -> None:
+    for i, doc in enumerate(DOCS[:3]):
+        (tmp_path / f"doc{i}.txt.gz").write_bytes(gzip.compress(doc.encode()))
+    prepare(sorted(str(p) for p in tmp_path.glob("*.gz")), tmp_path / "out", tokenizer, num_proc=1)
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:3]
+
+
+def test_a_directory_is_read_recursively_in_sorted_order_with_a_glob(tmp_path: Path, tokenizer: str) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "b" / "deep").mkdir(parents=True)
+    (corpus / "a").mkdir()
+    (corpus / "a" / "1.jsonl.gz").write_bytes(gzip.compress(jsonl(DOCS[:10])))
+    (corpus / "b" / "deep" / "2.jsonl").write_bytes(jsonl(DOCS[10:20]))
+    (corpus / "README.md").write_text("not a document")
+    prepare([str(corpus)], tmp_path / "out", tokenizer, num_proc=1, glob="**/*.jsonl*")
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:20]
+
+
+def test_a_directory_of_several_kinds_without_a_glob_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(jsonl(DOCS))
+    (tmp_path / "in" / "README.md").write_text("x")
+    with pytest.raises(PrepareError, match="several kinds .*choose the documents with --glob"):
+        prepare([str(tmp_path / "in")], tmp_path / "out", tokenizer)
+
+
+def test_a_saved_dataset_dict_is_read_by_split(tmp_path: Path, tokenizer: str) -> None:
+    saved = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": DOCS[:30]}),
+            "test": datasets.Dataset.from_dict({"text": DOCS[30:]}),
+        }
+    )
+    saved.save_to_disk(tmp_path / "saved")
+    prepare([str(tmp_path / "saved")], tmp_path / "out", tokenizer, num_proc=1, split="test")
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[30:]
+    with pytest.raises(PrepareError, match="has no split 'validation'; splits are \\['train', 'test'\\]"):
+        prepare([str(tmp_path / "saved")], tmp_path / "out2", tokenizer, split="validation")
+
+
+def test_add_bos_and_another_separator(tmp_path: Path, tokenizer: str) -> None:
     path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    path.write_bytes(jsonl(DOCS[:5]))
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    tok.add_special_tokens({"bos_token": "<s>", "additional_special_tokens": ["<doc>"]})
+    tok.save_pretrained(tmp_path / "tok")
+    prepare([str(path)], tmp_path / "out", str(tmp_path / "tok"), num_proc=1, add_bos=True, separator="<doc>")
+    tokens, starts = stream(tmp_path / "out")
+    sep = tok.convert_tokens_to_ids("<doc>")
+    assert tokens[starts].tolist() == [tok.bos_token_id] * 5
+    assert tokens[[s - 1 for s in starts[1:]] + [len(tokens) - 1]].tolist() == [sep] * 5
+    assert (tokens == sep).sum() == 5 and (tokens == tok.bos_token_id).sum() == 5
+
+
+# Bad input: each a short error naming the value
+
+
+def test_a_missing_path_is_an_error_naming_it(tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "data").mkdir()
+    missing = str(tmp_path / "data" / "trian.jsonl")
+    err = cli_error(capsys, missing, "--output", str(tmp_path / "out"), "--tokenizer", tokenizer)
+    assert f"input path {missing!r} does not exist" in err
+
+
+def test_a_mistyped_relative_path_is_not_looked_up_on_the_hub(
+    tmp_path: Path, tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("data").mkdir()
+    with pytest.raises(PrepareError, match="input path 'data/train' does not exist"):
+        prepare(["data/train"], "out", tokenizer)
+
+
+def test_a_hub_name_offline_is_one_short_error(tmp_path: Path, tokenizer: str) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, "-m", "datamodules.text.prepare", "someorg/no-such-dataset", "--output", str(tmp_path / "o")]
+    done = subprocess.run(
+        [*cmd, "--tokenizer", tokenizer], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert "'someorg/no-such-dataset' is not a local path, and loading it from the HuggingFace Hub failed" in last
+    assert "Traceback" not in done.stderr
+
+
+def test_a_missing_tokenizer_path_is_an_error_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS))
+    missing = str(tmp_path / "no" / "tokenizer")
+    err = cli_error(capsys, str(tmp_path / "docs.jsonl"), "--output", str(tmp_path / "out"), "--tokenizer", missing)
+    assert f"tokenizer path {missing!r} does not exist" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n"])
+def test_an_empty_input_is_an_error(tmp_path: Path, tokenizer: str, content: bytes) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(content)
+    with pytest.raises(PrepareError, match="no documents in the inputs"):
+        prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_empty_directory_is_an_error(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "in").mkdir()
+    with pytest.raises(PrepareError, match="input directory .*in' holds no files"):
+        prepare([str(tmp_path / "in")], tmp_path / "out", tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"), [({"body": "x"}, "is missing"), ({"text": None}, "is null"), ({"text": 3}, "is a int")]
+)
+def test_a_row_without_text_names_file_and_line(tmp_path: Path, tokenizer: str, record: dict, problem: str) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(DOCS[:3]) + json.dumps(record).encode() + b"\n" + jsonl(DOCS[3:5]))
+    with pytest.raises(PrepareError, match=f"docs.jsonl line 4: text field 'text' {problem} .*--on-bad-row skip"):
+        prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1)
+
+
+def test_a_parquet_null_names_file_and_row(tmp_path: Path, tokenizer: str) -> None:
+    datasets.Dataset.from_dict({"text": ["a", None, "b"]}).to_parquet(tmp_path / "d.parquet")
+    with pytest.raises(PrepareError, match="d.parquet row 1: text field 'text' is null"):
+        prepare([str(tmp_path / "d.parquet")], tmp_path / "out", tokenizer, num_proc=1)
+
+
+def test_skipping_bad_rows_counts_and_reports_them(
+    tmp_path: Path, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(DOCS[:3]) + b'{"text": null}\n{"other": 1}\n' + jsonl(DOCS[3:5]))
+    with caplog.at_level("WARNING"):
+        meta = prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1, on_bad_row="skip")
+    assert meta.extra["bad_rows_skipped"] == 2 and meta.num_documents == 5
+    assert "skipped 2 rows without text" in caplog.text and "docs.jsonl line 4" in caplog.text
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:5]
+
+
+def test_non_utf8_bytes_name_the_file(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 latin-1")
+    with pytest.raises(PrepareError, match=r"bad.txt is not valid UTF-8 \(byte 3"):
+        prepare([str(tmp_path / "bad.txt")], tmp_path / "out", tokenizer, num_proc=1)
+
+
+def test_an_unknown_suffix_lists_the_accepted_ones(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "docs.csv").write_text("text\nx")
+    with pytest.raises(PrepareError, match=r"docs.csv' has an unknown suffix; accepted: .txt, .*\.parquet .*\.zst"):
+        prepare([str(tmp_path / "docs.csv")], tmp_path / "out", tokenizer)
+
+
+def test_unknown_text_field_is_reported(tmp_path: Path, tokenizer: str) -> None:
+    datasets.Dataset.from_dict({"body": ["x"]}).to_parquet(tmp_path / "d.parquet")
+    with pytest.raises(PrepareError, match="has no column 'text'; columns are \\['body'\\]"):
+        prepare([str(tmp_path / "d.parquet")], tmp_path / "out", tokenizer, num_proc=1)
+
+
+# Output safety
+
+
+def test_rerun_on_unchanged_input_is_a_no_op_and_an_edited_input_is_prepared_again(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(DOCS))
     prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1)
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
     prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()} == before
-    path.write_text("\n".join(json.dumps({"text": d}) for d in DOCS[:10]))
+    path.write_bytes(jsonl(DOCS[:10]))
     assert prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1).num_documents == 10
+
+
+def test_an_output_of_other_inputs_is_refused_unless_overwrite(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "a.jsonl").write_bytes(jsonl(DOCS[:10]))
+    (tmp_path / "b.jsonl").write_bytes(jsonl(DOCS[10:]))
+    prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
+    with pytest.raises(PrepareError, match=r"out already holds shards of other inputs .*pass --overwrite"):
+        prepare([str(tmp_path / "b.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:10]
+    prepare([str(tmp_path / "b.jsonl")], tmp_path / "out", tokenizer, num_proc=1, overwrite=True)
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[10:]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_directory_of_other_files_is_refused_as_output(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "a.jsonl").write_bytes(jsonl(DOCS))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(PrepareError, match=r"out already holds files that are not a finished prepare output"):
+        prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
+
+
+def test_a_killed_run_leaves_no_output_and_the_next_run_finishes(tmp_path: Path, tokenizer: str) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(jsonl(DOCS * 1500))
+    args = [sys.executable, "-m", "datamodules.text.prepare", str(path), "--output", str(tmp_path / "out")]
+    args += ["--tokenizer", tokenizer, "--num-proc", "1", "--shard-tokens", "1000"]
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*/shard_00001.npy")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert list(tmp_path.glob(".out.partial-*")), "the run finished before it could be killed"
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TokenShards(tmp_path / "out")
+    meta = prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1, shard_tokens=1000)
+    assert meta.num_documents == len(DOCS) * 1500 and not list(tmp_path.glob(".out.partial-*"))
+
+
+# Parts
+
+
+def test_parts_prepared_in_parallel_train_on_the_same_windows_as_one_part(tmp_path: Path, tokenizer: str) -> None:
+    for i in range(5):
+        (tmp_path / f"in{i}.jsonl").write_bytes(jsonl(DOCS[i * 8 : (i + 1) * 8]))
+    inputs = sorted(str(p) for p in tmp_path.glob("in*.jsonl"))
+    prepare(inputs, tmp_path / "single", tokenizer, num_proc=1)
+    base = [sys.executable, "-m", "datamodules.text.prepare", *inputs, "--output", str(tmp_path / "parts")]
+    base += ["--tokenizer", tokenizer, "--num-proc", "1", "--num-parts", "2"]
+    runs = [subprocess.Popen([*base, "--part-index", str(i)], cwd=REPO, stderr=subprocess.PIPE) for i in (0, 1)]
+    assert [r.wait(timeout=120) for r in runs] == [0, 0], [r.stderr.read().decode()[-2000:] for r in runs]
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == ["part-00000", "part-00001"]
+    assert stream(tmp_path / "parts")[0].tolist() == stream(tmp_path / "single")[0].tolist()
+    assert stream(tmp_path / "parts")[1] == stream(tmp_path / "single")[1]
+
+    def batches(directory: Path) -> list[list[list[int]]]:
+        dm = TokenShardDataModule(directory, seq_len=16, batch_size=4, pack_sequences=True, seed=7)
+        dm.setup("fit")
+        return [b["input_ids"].tolist() + b["position_ids"].tolist() for b in dm.train_dataloader()]
+
+    assert batches(tmp_path / "parts") == batches(tmp_path / "single")
+
+
+def test_a_missing_part_is_refused_by_the_reader(tmp_path: Path, tokenizer: str) -> None:
+    for i in range(3):
+        (tmp_path / f"in{i}.jsonl").write_bytes(jsonl(DOCS[i * 10 : (i + 1) * 10]))
+    inputs = sorted(str(p) for p in tmp_path.glob("in*.jsonl"))
+    prepare(inputs, tmp_path / "parts", tokenizer, num_proc=1, num_parts=3, part_index=0)
+    prepare(inputs, tmp_path / "parts", tokenizer, num_proc=1, num_parts=3, part_index=2)
+    with pytest.raises(ValueError, match=r"holds 2 of 3 prepared parts; part\(s\) \[1\] are missing"):
+        TokenShards(tmp_path / "parts")
+
+
+def test_more_parts_than_input_files_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    (tmp_path / "a.jsonl").write_bytes(jsonl(DOCS))
+    with pytest.raises(PrepareError, match="3 parts need at least 3 input files, got 1"):
+        prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", tokenizer, num_parts=3, part_index=0)
 
 
 def test_command_line_writes_shards_a_datamodule_trains_on(tmp_path: Path, tokenizer: str) -> None:
     path = tmp_path / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
+    path.write_bytes(jsonl(DOCS))
     main([str(path), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer, "--num-proc", "1"])
     dm = TokenShardDataModule(tmp_path / "out", seq_len=16, batch_size=2, pack_sequences=True)
     dm.setup("fit")
@@ -93,16 +370,3 @@ def test_command_line_writes_shards_a_datamodule_trains_on(tmp_path: Path, token
 def test_dtype_is_uint16_when_the_vocabulary_fits_else_uint32() -> None:
     assert smallest_token_dtype(65535) == "uint16"
     assert smallest_token_dtype(65536) == "uint32"
-
-
-def test_missing_input_file_is_reported(tmp_path: Path, tokenizer: str) -> None:
-    (tmp_path / "a.txt").write_text("x")
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
-        prepare([str(tmp_path / "a.txt"), str(tmp_path / "missing.txt")], tmp_path / "out", tokenizer)
-
-
-def test_unknown_text_field_is_reported(tmp_path: Path, tokenizer: str) -> None:
-    path = tmp_path / "docs.jsonl"
-    path.write_text(json.dumps({"body": "x"}))
-    with pytest.raises(ValueError, match="no column 'text'; columns are \\['body'\\]"):
-        prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1)

@@ -1,0 +1,54 @@
+"""Megatron-LM's ``MMIDIDX`` index (``.idx`` beside a raw ``.bin``): dtype and document boundaries.
+
+Layout (Megatron-Core ``indexed_dataset.py``): the 9-byte header ``MMIDIDX\\0\\0``; version ``<Q`` (1);
+dtype code ``<B``; sequence count ``<Q``; document count ``<Q``; then ``int32`` sequence lengths,
+``int64`` sequence byte offsets into the ``.bin``, and ``int64`` document indices (the first sequence
+of each document, then the sequence count).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
+
+
+@dataclass(frozen=True)
+class MegatronIndex:
+    """What a reader needs from an ``.idx``: the token dtype, the token count and document starts."""
+
+    dtype: np.dtype
+    num_tokens: int
+    document_starts: np.ndarray  # token offset of every document inside the .bin
+
+
+def read_index(path: str | Path) -> MegatronIndex:
+    """Parse ``path``; a file that is not a version-1 ``MMIDIDX`` index is refused, naming it."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(len(INDEX_HEADER) + 8 + 1 + 8 + 8)
+        if len(head) < 34 or head[: len(INDEX_HEADER)] != INDEX_HEADER:
+            raise ValueError(f"{path} is not a Megatron MMIDIDX index (header {head[:9]!r})")
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
+        if version != 1:
+            raise ValueError(f"{path}: Megatron index version {version} is not supported (only 1)")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{path}: unknown Megatron dtype code {code}; known: {DTYPE_CODES}")
+        lengths = np.fromfile(f, dtype="<i4", count=sequences)
+        pointers = np.fromfile(f, dtype="<i8", count=sequences)
+        document_indices = np.fromfile(f, dtype="<i8", count=documents)
+    if len(lengths) != sequences or len(pointers) != sequences or len(document_indices) != documents:
+        raise ValueError(f"{path} is truncated: it names {sequences} sequences and {documents} document indices")
+    dtype = np.dtype(DTYPE_CODES[code])
+    expected = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]) * dtype.itemsize
+    if not np.array_equal(pointers, expected[: len(pointers)]):
+        raise ValueError(f"{path}: sequences are not stored back to back in the .bin; this layout is not supported")
+    sequence_starts = expected // dtype.itemsize
+    # The last document index is the sequence count (the end), not the start of a document.
+    firsts = document_indices[:-1] if len(document_indices) and document_indices[-1] == sequences else document_indices
+    return MegatronIndex(dtype, int(lengths.astype(np.int64).sum()), sequence_starts[firsts].astype(np.int64))

@@ -1,0 +1,332 @@
+"""What the prepare command reads: files by suffix (compressed too), directories, ``save_to_disk``
+folders and hub names, each read as batches of documents in a fixed order.
+
+Every way an input can be wrong (a missing path, an unknown suffix, a row without text, bytes that
+are not UTF-8) is a ``PrepareError`` naming the value, raised before or where it is read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # one document per file
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")  # one document per record
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
+_KINDS = {**dict.fromkeys(TEXT_SUFFIXES, "text"), **dict.fromkeys(JSON_SUFFIXES, "json"), ".parquet": "parquet"}
+_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+# owner/name or name, as the Hub spells them; anything else is a local path.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+BATCH_DOCUMENTS = 1024
+BATCH_CHARACTERS = 8 << 20
+BAD_ROW_POLICIES = ("raise", "skip")
+
+
+class PrepareError(ValueError):
+    """A problem with the prepare command's inputs, output or options, told in one line."""
+
+
+def accepted_suffixes() -> str:
+    plain = ", ".join(_KINDS)
+    return f"{plain} (each also compressed: {', '.join(COMPRESSIONS)})"
+
+
+def looks_like_hub_name(value: str) -> bool:
+    """``owner/name`` or ``name`` with no data-file suffix and no existing local parent directory."""
+    if not _HUB_NAME.match(value) or _split_suffix(value)[0] is not None:
+        return False
+    parent = Path(value).parent
+    return parent == Path(".") or not parent.exists()
+
+
+def _split_suffix(name: str) -> tuple[str | None, str | None]:
+    """``(kind, compression)`` of a file name; kind ``None`` for an unknown suffix."""
+    lower = name.lower()
+    compression = None
+    for suffix, codec in COMPRESSIONS.items():
+        if lower.endswith(suffix):
+            compression, lower = codec, lower[: -len(suffix)]
+            break
+    return _KINDS.get(Path(lower).suffix), compression
+
+
+@dataclass
+class BadRows:
+    """Rows without usable text: raised at the first (``raise``) or counted and skipped (``skip``)."""
+
+    policy: str = "raise"
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.policy not in BAD_ROW_POLICIES:
+            raise PrepareError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.policy!r}")
+
+    def text(self, value: Any, where: str, text_field: str) -> str | None:
+        """``value`` if it is a string; else raise, or count it and return ``None``."""
+        if isinstance(value, str):
+            return value
+        problem = (
+            "is missing" if value is _MISSING else ("is null" if value is None else f"is a {type(value).__name__}")
+        )
+        message = f"{where}: text field {text_field!r} {problem}"
+        if self.policy == "raise":
+            raise PrepareError(f"{message} (pass --on-bad-row skip to count and skip such rows)")
+        self.count += 1
+        if len(self.examples) < 5:
+            self.examples.append(message)
+        return None
+
+
+_MISSING = object()
+
+
+def _open(path: str, compression: str | None) -> Any:
+    import fsspec
+
+    try:
+        stream = fsspec.open(path, "rb", compression=compression).open()
+    except ValueError as err:  # fsspec names a codec whose library is not installed this way
+        raise PrepareError(f"cannot open {path}: {err}") from None
+    # Some decompressors (zstd) read but do not split lines; a buffer over them does both.
+    return stream if compression is None else io.BufferedReader(stream, buffer_size=1 << 20)
+
+
+def _decode(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PrepareError(
+            f"{where} is not valid UTF-8 (byte {err.start}: {data[err.start : err.start + 1]!r})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One local file, read by its kind (``text``, ``json`` or ``parquet``), maybe compressed."""
+
+    path: str
+    kind: str
+    compression: str | None
+
+    def identity(self) -> str:
+        stat = Path(self.path).stat()
+        return f"{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
+
+    def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        if self.kind == "text":
+            with _open(self.path, self.compression) as f:
+                yield _decode(f.read(), self.path)
+        elif self.kind == "json":
+            yield from self._json_documents(text_field, bad_rows)
+        else:
+            yield from self._parquet_documents(text_field, bad_rows)
+
+    def _json_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        with _open(self.path, self.compression) as f:
+            head = f.read(1)
+            while head.isspace():
+                head = f.read(1)
+            if head == b"[":  # a JSON array of records, not JSON lines
+                records = enumerate(json.loads(_decode(head + f.read(), self.path)), start=1)
+                yield from self._records(((f"{self.path} record {i}", r) for i, r in records), text_field, bad_rows)
+                return
+            lines = ((f"{self.path} line {i}", line) for i, line in enumerate(chain([head + f.readline()], f), start=1))
+            yield from self._records(self._parsed(lines), text_field, bad_rows)
+
+    @staticmethod
+    def _parsed(lines: Iterator[tuple[str, bytes]]) -> Iterator[tuple[str, Any]]:
+        for where, line in lines:
+            if line.strip():
+                try:
+                    yield where, json.loads(_decode(line, where))
+                except json.JSONDecodeError as err:
+                    raise PrepareError(f"{where} is not valid JSON: {err.msg}") from None
+
+    @staticmethod
+    def _records(records: Iterator[tuple[str, Any]], text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        for where, record in records:
+            value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING
+            text = bad_rows.text(value, where, text_field)
+            if text is not None:
+                yield text
+
+    def _parquet_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        with _open(self.path, self.compression) as f:
+            parquet = pq.ParquetFile(f)
+            if text_field not in parquet.schema_arrow.names:
+                raise PrepareError(
+                    f"{self.path} has no column {text_field!r}; columns are {parquet.schema_arrow.names}"
+                )
+            row = 0
+            for batch in parquet.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[text_field]):
+                for value in batch.column(0).to_pylist():
+                    text = bad_rows.text(value, f"{self.path} row {row}", text_field)
+                    if text is not None:
+                        yield text
+                    row += 1
+
+
+@dataclass(frozen=True)
+class FileCorpus:
+    """Local files, read one after another in the order given (directories: sorted, recursive)."""
+
+    files: tuple[InputFile, ...]
+
+    def names(self) -> list[str]:
+        return [f.path for f in self.files]
+
+    def identity(self) -> list[str]:
+        return [f.identity() for f in self.files]
+
+    def part(self, index: int, num_parts: int) -> FileCorpus:
+        if len(self.files) < num_parts:
+            raise PrepareError(
+                f"{num_parts} parts need at least {num_parts} input files, got {len(self.files)}; "
+                "split the corpus into more files or prepare it in fewer parts"
+            )
+        n = len(self.files)
+        return FileCorpus(self.files[index * n // num_parts : (index + 1) * n // num_parts])
+
+    def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        for file in self.files:
+            yield from file.documents(text_field, bad_rows)
+
+
+@dataclass(frozen=True)
+class DatasetCorpus:
+    """A ``save_to_disk`` folder (``path`` local) or a hub dataset (streamed: no Arrow cache left behind)."""
+
+    path: str
+    split: str
+    hub: bool
+    part_index: int = 0
+    num_parts: int = 1
+
+    def names(self) -> list[str]:
+        return [f"{'hub' if self.hub else 'disk'}:{self.path}:{self.split}:{self.part_index}/{self.num_parts}"]
+
+    def identity(self) -> list[str]:
+        if self.hub:
+            return [f"hub:{self.path}:{self.split}"]
+        files = sorted(p for p in Path(self.path).rglob("*") if p.is_file())
+        return [self.split, *(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)]
+
+    def part(self, index: int, num_parts: int) -> DatasetCorpus:
+        return DatasetCorpus(self.path, self.split, self.hub, index, num_parts)
+
+    def _load(self) -> Any:
+        import datasets
+
+        if not self.hub:
+            loaded = datasets.load_from_disk(self.path)
+            if isinstance(loaded, datasets.DatasetDict):
+                if self.split not in loaded:
+                    raise PrepareError(f"{self.path} has no split {self.split!r}; splits are {list(loaded)}")
+                loaded = loaded[self.split]
+            return loaded.shard(self.num_parts, self.part_index, contiguous=True)
+        try:
+            loaded = datasets.load_dataset(self.path, split=self.split, streaming=True)
+        except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise PrepareError(
+                f"{self.path!r} is not a local path, and loading it from the HuggingFace Hub failed "
+                f"({type(err).__name__}: {first[:200]})"
+            ) from None
+        return loaded.shard(num_shards=self.num_parts, index=self.part_index) if self.num_parts > 1 else loaded
+
+    def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
+        dataset = self._load()
+        columns = dataset.column_names
+        if columns is not None and text_field not in columns:
+            raise PrepareError(f"{self.path} has no column {text_field!r}; columns are {columns}")
+        row = 0
+        for batch in dataset.select_columns([text_field]).iter(batch_size=BATCH_DOCUMENTS):
+            for value in batch[text_field]:
+                text = bad_rows.text(value, f"{self.path} row {row}", text_field)
+                if text is not None:
+                    yield text
+                row += 1
+
+
+Corpus = FileCorpus | DatasetCorpus
+
+
+def _input_file(path: Path) -> InputFile:
+    kind, compression = _split_suffix(path.name)
+    if kind is None:
+        raise PrepareError(f"input {str(path)!r} has an unknown suffix; accepted: {accepted_suffixes()}")
+    return InputFile(str(path), kind, compression)
+
+
+def _directory_files(directory: Path, glob: str | None) -> list[InputFile]:
+    paths = sorted(
+        p
+        for p in directory.rglob(glob or "*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+    if not paths:
+        raise PrepareError(
+            f"input directory {str(directory)!r} holds no files" + (f" matching {glob!r}" if glob else "")
+        )
+    if glob is None:
+        unknown = [p.name for p in paths if _split_suffix(p.name)[0] is None]
+        kinds = {_split_suffix(p.name)[0] for p in paths} - {None}
+        if unknown or len(kinds) > 1:
+            what = (
+                f"files with unknown suffixes ({unknown[:3]})" if unknown else f"files of several kinds {sorted(kinds)}"
+            )
+            raise PrepareError(
+                f"input directory {str(directory)!r} holds {what}; "
+                "choose the documents with --glob, e.g. '**/*.jsonl.gz'"
+            )
+    return [_input_file(p) for p in paths]
+
+
+def resolve_inputs(inputs: list[str], split: str = "train", glob: str | None = None) -> Corpus:
+    """The corpus that ``inputs`` name, checked for existence and kind without reading documents."""
+    if not inputs:
+        raise PrepareError("no inputs given")
+    datasets_named = []
+    files: list[InputFile] = []
+    for value in map(str, inputs):
+        path = Path(value).expanduser()
+        if path.is_dir() and any((path / m).exists() for m in _SAVED_DATASET_MARKERS):
+            datasets_named.append(DatasetCorpus(str(path), split, hub=False))
+        elif path.is_dir():
+            files += _directory_files(path, glob)
+        elif path.is_file():
+            files.append(_input_file(path))
+        elif looks_like_hub_name(value):
+            datasets_named.append(DatasetCorpus(value, split, hub=True))
+        else:
+            raise PrepareError(f"input path {value!r} does not exist")
+    if datasets_named and (files or len(datasets_named) > 1):
+        raise PrepareError(f"a saved or hub dataset ({datasets_named[0].path}) must be the only input")
+    return datasets_named[0] if datasets_named else FileCorpus(tuple(files))
+
+
+def document_batches(corpus: Corpus, text_field: str, bad_rows: BadRows) -> Iterator[list[str]]:
+    """The corpus's documents in order, in batches of at most ``BATCH_DOCUMENTS`` or about 8M characters."""
+    batch: list[str] = []
+    characters = 0
+    for text in corpus.documents(text_field, bad_rows):
+        batch.append(text)
+        characters += len(text)
+        if len(batch) >= BATCH_DOCUMENTS or characters >= BATCH_CHARACTERS:
+            yield batch
+            batch, characters = [], 0
+    if batch:
+        yield batch
