@@ -71,7 +71,9 @@ class PhaseScheduler(Callback):
 
     The effective LR is always the LR scheduler's LR times the active ``lr_scale``: the scheduler
     sees the unscaled LR (restored right after each optimizer step), so scales never compound,
-    whatever the scheduler. ``LearningRateMonitor`` reports the scaled LR.
+    whatever the scheduler. ``LearningRateMonitor`` reports the scaled LR. ``phase/index`` and
+    ``phase/lr_scale`` are logged on the step they describe; a mixture logs its own per-source
+    weights and counts.
 
     Phases already trained may not change on resume (refused with a message); phases that start
     after the resumed step may be edited, added or removed.
@@ -102,6 +104,7 @@ class PhaseScheduler(Callback):
         self._saved: dict[str, Any] | None = None
         self._hooked: set[int] = set()
         self._unscaled: set[int] = set()
+        self._batch_step = 0
 
     def phase_at(self, step: int) -> int:
         """Index of the phase that step ``step`` trains in."""
@@ -151,18 +154,19 @@ class PhaseScheduler(Callback):
         self._unscaled.add(id(optimizer))
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_step = trainer.global_step
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        # Logged for the step this batch trained in (Lightning's row for it), not the step about to start.
+        phase = self.phase_at(self._batch_step)
+        pl_module.log_dict({"phase/index": float(phase), "phase/lr_scale": self.phases[phase].lr_scale})
         self._apply(trainer, trainer.global_step)
-        metrics = {"phase/index": float(self.active_phase), "phase/lr_scale": self.phases[self.active_phase].lr_scale}
-        datamodule = trainer.datamodule
-        if hasattr(datamodule, "realized_counts"):
-            weights = datamodule.weights_at(trainer.global_step)
-            for (name, counts), weight in zip(datamodule.realized_counts().items(), weights, strict=True):
-                metrics[f"mixture/{name}/weight"] = weight
-                metrics.update({f"mixture/{name}/{key}": float(value) for key, value in counts.items()})
-        pl_module.log_dict(metrics)
 
     def _apply(self, trainer: pl.Trainer, step: int) -> None:
         """Set every param group's LR to the scheduler's LR times the scale of the phase of ``step``."""

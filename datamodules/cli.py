@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
 
+def show_datamodule_logs() -> None:
+    """INFO records of ``datamodules`` (what the data is, at the start of fit) on stderr, as Lightning's own."""
+    logger = logging.getLogger("datamodules")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
     """Any LightningModule and DataModule by ``class_path``, as the YAML names them."""
+    show_datamodule_logs()
     return LightningCLI(
         LightningModule,
         LightningDataModule,

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.datamodule import PlanDataModule
+from datamodules.plan.datamodule import PlanDataModule, require_int
 from datamodules.plan.loader import Source, SourceSpec
 from datamodules.plan.sample_plan import SamplePlan, Segment, largest_remainder_counts
 
@@ -59,7 +59,9 @@ class MixtureDataModule(PlanDataModule):
         seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
         temperature: ``T > 0``; 1 samples in proportion to the weights, larger flattens the mix.
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
-        seed, num_workers, allow_plan_change: see ``PlanDataModule``.
+        allow_mixed_tokenizers: mix sources whose metadata names different tokenizers or EOS
+            ids; by default that is refused, since the same id would mean different tokens.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
 
     Example::
 
@@ -69,6 +71,8 @@ class MixtureDataModule(PlanDataModule):
             seq_len=2048, batch_size=8)
     """
 
+    pad_to_epoch_end = False
+
     def __init__(
         self,
         sources: list[MixtureComponent],
@@ -76,13 +80,22 @@ class MixtureDataModule(PlanDataModule):
         batch_size: int,
         temperature: float = 1.0,
         pack_sequences: bool = False,
+        allow_mixed_tokenizers: bool = False,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size, seed=seed, num_workers=num_workers, allow_plan_change=allow_plan_change)
-        if seq_len <= 0:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+        super().__init__(
+            batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            allow_plan_change=allow_plan_change,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
+        require_int("seq_len", seq_len, 1)
         if not sources:
             raise ValueError("a mixture needs at least one source")
         components = [c if isinstance(c, MixtureComponent) else MixtureComponent(**c) for c in sources]
@@ -96,9 +109,11 @@ class MixtureDataModule(PlanDataModule):
         self.seq_len = seq_len
         self.temperature = temperature
         self.pack_sequences = pack_sequences
+        self.allow_mixed_tokenizers = allow_mixed_tokenizers
         self.base_weights = [float(c.weight) for c in components]
         self._check_weights(self.base_weights, "base weights")
         self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
+        self._logged_step: int | None = None
 
     def _check_weights(self, weights: list[float], what: str) -> None:
         if not sum(weights) > 0:
@@ -117,9 +132,25 @@ class MixtureDataModule(PlanDataModule):
             self._check_weights(full, f"phase at step {start_step}: weights")
             schedule.append((start_step, full))
         self.phase_weights = schedule
+        if self.sources is not None:
+            self.check_global_batch()
 
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
-        return [(c.name, *c.source.build(self.seq_len, self.pack_sequences)) for c in self.components]
+        built = [(c.name, *c.source.build(self.seq_len, self.pack_sequences)) for c in self.components]
+        known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]
+        for name, vocabulary in known[1:]:
+            first, first_vocabulary = known[0]
+            if vocabulary != first_vocabulary and not self.allow_mixed_tokenizers:
+                raise ValueError(
+                    f"sources {first!r} and {name!r} were tokenized differently: {first_vocabulary} vs {vocabulary}; "
+                    "the same id would mean different tokens. Pass allow_mixed_tokenizers=True if that is intended"
+                )
+        return built
+
+    def samples_per_step(self) -> list[dict[str, int]]:
+        names = [c.name for c in self.components]
+        steps = sorted({step for step, _ in self.phase_weights})
+        return [dict(zip(names, self.counts_at(step, self.global_batch_size), strict=True)) for step in steps]
 
     def plan_identity(self) -> dict[str, Any]:
         return {**super().plan_identity(), "base_weights": self.base_weights, "temperature": self.temperature}
@@ -158,11 +189,32 @@ class MixtureDataModule(PlanDataModule):
         self._saved_segments = list(plan.segments)
         return plan
 
-    def realized_counts(self) -> dict[str, dict[str, int]]:
-        """Samples, tokens and started passes of every source over the positions trained so far."""
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Logs, on the first micro-batch of a logged step, each source's weight and what it has given."""
+        trainer = self.trainer
+        step = getattr(trainer, "global_step", None)
+        if trainer is None or not trainer.training or not trainer.loggers or step == self._logged_step:
+            return batch
+        self._logged_step = step
+        if (step + 1) % max(1, trainer.log_every_n_steps) and step + 1 != trainer.max_steps:
+            return batch
+        metrics: dict[str, float] = {}
+        counts = self.realized_counts(self.positions_consumed + self.global_batch_size)
+        for (name, drawn), weight in zip(counts.items(), self.weights_at(step), strict=True):
+            metrics[f"mixture/{name}/weight"] = weight
+            metrics.update({f"mixture/{name}/{key}": float(value) for key, value in drawn.items()})
+        # Lightning's own row for this step, as LearningRateMonitor logs it.
+        row = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=row)
+        return batch
+
+    def realized_counts(self, position: int | None = None) -> dict[str, dict[str, int]]:
+        """Samples, tokens and started passes of every source in positions ``[0, position)``
+        (default: the positions trained so far)."""
         if self.plan is None:
             return {}
-        drawn = self.plan.samples_drawn(self.positions_consumed)
+        drawn = self.plan.samples_drawn(self.positions_consumed if position is None else position)
         return {
             s.name: {"samples": int(d), "tokens": int(d) * self.seq_len, "passes": -(-int(d) // s.num_samples)}
             for s, d in zip(self.sources, drawn, strict=True)

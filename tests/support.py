@@ -78,7 +78,8 @@ class RecordingModel(LightningModule):
         record = {
             "step": self.global_step,
             "digest": batch_digest(batch),
-            "starts": batch["input_ids"][:, 0].tolist(),
+            # Padding rows (no label at all) hold no sample: only real rows count as consumed.
+            "starts": batch["input_ids"][(batch["labels"] != -100).any(dim=1), 0].tolist(),
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
         }
         self.records.append(record)

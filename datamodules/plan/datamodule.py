@@ -13,7 +13,10 @@ import math
 from dataclasses import asdict
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source
@@ -22,6 +25,14 @@ from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, des
 from datamodules.plan.sampler import PlanSampler
 
 log = logging.getLogger(__name__)
+
+
+def require_int(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer ``>= minimum``; a float such as ``64.0`` is refused, not truncated."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
 
 
 class PlanDataModule(LightningDataModule):
@@ -38,18 +49,32 @@ class PlanDataModule(LightningDataModule):
         num_workers: DataLoader worker processes; the order does not depend on it.
         allow_plan_change: resume from a checkpoint whose plan differs (other data or seed),
             continuing at the saved position of the new plan instead of refusing.
+        pin_memory: copy batches into pinned (page-locked) memory, for faster host-to-GPU copies;
+            default ``None``: on when the Trainer's accelerator is a CUDA GPU.
+        prefetch_factor: worker messages (of 16 micro-batches) each worker prepares ahead;
+            default ``None``: the DataLoader's default (2). Needs ``num_workers > 0``.
     """
 
-    def __init__(self, batch_size: int, seed: int = 0, num_workers: int = 0, allow_plan_change: bool = False) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        seed: int = 0,
+        num_workers: int = 0,
+        allow_plan_change: bool = False,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
+    ) -> None:
         super().__init__()
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.batch_size = batch_size
-        self.seed = seed
-        self.num_workers = num_workers
+        self.batch_size = require_int("batch_size", batch_size, 1)
+        self.seed = require_int("seed", seed, 0)
+        self.num_workers = require_int("num_workers", num_workers, 0)
+        if prefetch_factor is not None:
+            require_int("prefetch_factor", prefetch_factor, 1)
+            if num_workers == 0:
+                raise ValueError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (workers prefetch)")
         self.allow_plan_change = allow_plan_change
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
         self.plan: SamplePlan | None = None
         self.sources: list[PlannedSource] | None = None
         self._train: Source | None = None
@@ -59,6 +84,10 @@ class PlanDataModule(LightningDataModule):
         self._anchor_batches: int | None = None
         self._saved_segments: list[Segment] = []
         self._pending_state: dict[str, Any] | None = None
+
+    # A resume off the global-batch grid pads its epoch's last batch so the epoch ends where the
+    # plan's does. A mixture keeps whole batches instead: each global batch is one block of exact counts.
+    pad_to_epoch_end = True
 
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
@@ -78,11 +107,37 @@ class PlanDataModule(LightningDataModule):
             trains = [train for _, train, _ in parts]
             self._train = trains[0] if len(trains) == 1 else type(trains[0]).join(trains)
             self._vals = [(name, val) for name, _, val in parts if val is not None]
-            self.sources = [PlannedSource(name, len(train), train.fingerprint) for name, train, _ in parts]
-            log.info("%s: %s training samples", type(self).__name__, {s.name: s.num_samples for s in self.sources})
+            self.sources = [
+                PlannedSource(name, len(train), train.fingerprint, dict(getattr(train, "details", {})))
+                for name, train, _ in parts
+            ]
+            self._vocabularies = {name: getattr(train, "vocabulary", None) for name, train, _ in parts}
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
+        self.check_global_batch()
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks: one block of the plan."""
+        return self.batch_size * self.dp_size * self.accumulate_grad_batches
+
+    def samples_per_step(self) -> list[dict[str, int]]:
+        """Samples of each source in one optimizer step, for every set of weights the run uses."""
+        return [{self.sources[0].name: self.global_batch_size}]
+
+    def check_global_batch(self) -> None:
+        """A global batch must not hold more samples of a source than it has: rows would repeat in it."""
+        sizes = {s.name: s.num_samples for s in self.sources}
+        for counts in self.samples_per_step():
+            for name, count in counts.items():
+                if count > sizes[name]:
+                    raise ValueError(
+                        f"a global batch of {self.global_batch_size} samples (batch_size {self.batch_size} x "
+                        f"{self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} accumulated) takes "
+                        f"{count} samples of source {name!r}, which has only {sizes[name]}: rows would repeat within "
+                        "a batch; use a smaller batch or more data"
+                    )
 
     def _require_setup(self) -> Source:
         if self._train is None:
@@ -104,8 +159,7 @@ class PlanDataModule(LightningDataModule):
         """Plan positions trained so far, over all ranks and all restarts."""
         if self._anchor_batches is None or self._sampler is None:
             return self._anchor_positions
-        trained = self._batches_trained() - self._anchor_batches
-        return self._anchor_positions + trained * self._sampler.positions_per_batch
+        return self._sampler.position_after(self._anchor_positions, self._batches_trained() - self._anchor_batches)
 
     def _start_position(self) -> int:
         # Anchored at the first iter(), after Lightning has restored its loop counters.
@@ -120,16 +174,74 @@ class PlanDataModule(LightningDataModule):
         self.plan = self.build_plan(self._anchor_positions, step)
         dataset = PlanDataset(train, self.plan)
         # Whole optimizer steps per epoch, so every global batch is one optimizer step.
-        per_step = self.batch_size * self.dp_size * self.accumulate_grad_batches
+        steps_per_epoch = max(1, len(train) // self.global_batch_size)
         self._sampler = PlanSampler(
             dataset,
             batch_size=self.batch_size,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
-            num_batches=max(1, len(train) // per_step) * self.accumulate_grad_batches,
+            num_batches=steps_per_epoch * self.accumulate_grad_batches,
             start_position=self._start_position,
+            pad_to_epoch_end=self.pad_to_epoch_end,
         )
-        return PlanDataLoader(dataset, self._sampler, self.num_workers)
+        self._align_epoch_progress()
+        self._log_summary(steps_per_epoch)
+        return self._loader(dataset, self._sampler)
+
+    def _align_epoch_progress(self) -> None:
+        """On resume, restate Lightning's in-epoch batch count in this run's batches.
+
+        Lightning restores how many batches of the epoch were done in the checkpoint's units; on
+        another number of ranks that would end the epoch early or late. The plan knows the truth:
+        the batches left from the resumed position to the plan's epoch end.
+        """
+        epoch_loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        if epoch_loop is None or not epoch_loop.restarting:
+            return
+        start, sampler, current = self._anchor_positions, self._sampler, epoch_loop.batch_progress.current
+        if start % sampler.epoch_positions == 0:  # an epoch boundary: finished, or not begun
+            done = sampler.num_batches if current.processed > 0 else 0
+        else:
+            done = sampler.num_batches - sampler.batches_left(start)
+        # Shift every counter alike: Lightning itself completes the batch a checkpoint was saved in.
+        shift = done - current.processed
+        if shift:
+            log.info("resumed at plan position %d: batch %d of %d of this epoch", start, done, sampler.num_batches)
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(current, name, getattr(current, name) + shift)
+
+    def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
+        pin = self.pin_memory
+        if pin is None:
+            pin = isinstance(getattr(self.trainer, "accelerator", None), CUDAAccelerator)
+        elif pin and not torch.cuda.is_available():
+            rank_zero_warn(f"{type(self).__name__}: pin_memory=True, but no CUDA device is available; not pinning")
+            pin = False
+        return PlanDataLoader(dataset, sampler, self.num_workers, pin_memory=pin, prefetch_factor=self.prefetch_factor)
+
+    def _log_summary(self, steps_per_epoch: int) -> None:
+        """What the data is, once per fit on rank 0: samples, tokens, steps per epoch, passes implied."""
+        if not getattr(self.trainer, "is_global_zero", True):
+            return
+        max_steps = getattr(self.trainer, "max_steps", -1)
+        drawn = self.plan.samples_drawn(max_steps * self.global_batch_size) if max_steps and max_steps > 0 else None
+        for i, source in enumerate(self.sources):
+            tokens = source.num_samples * source.details.get("seq_len", 0)
+            passes = (
+                f", max_steps={max_steps} reads it {drawn[i] / source.num_samples:.2f} times"
+                if drawn is not None
+                else ""
+            )
+            log.info(
+                "%s source %r: %s samples%s, %d steps per epoch of %d samples%s",
+                type(self).__name__,
+                source.name,
+                f"{source.num_samples:,}",
+                f" ({tokens:,} tokens)" if tokens else "",
+                steps_per_epoch,
+                self.global_batch_size,
+                passes,
+            )
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         self._require_setup()
@@ -148,7 +260,7 @@ class PlanDataModule(LightningDataModule):
             num_batches=math.ceil(len(val) / (self.batch_size * self.dp_size)),
             start_position=lambda: 0,
         )
-        return PlanDataLoader(dataset, sampler, self.num_workers)
+        return self._loader(dataset, sampler)
 
     def _fingerprint(self) -> str:
         return hashlib.blake2b(json.dumps(self.plan_identity(), sort_keys=True).encode(), digest_size=16).hexdigest()

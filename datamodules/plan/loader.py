@@ -69,11 +69,13 @@ class PlanDataset(Dataset):
             self._chunk = chunk_first, indices = first, indices
         return indices[first - chunk_first : stop - chunk_first]
 
-    def __getitem__(self, span: tuple[int, int]) -> dict[str, np.ndarray]:
-        first, stop = span
-        if self.limit is None:
+    def __getitem__(self, span: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Samples at positions ``[first, stop)``; a third value (or ``limit``) pads positions from it on."""
+        first, stop = span[:2]
+        limit = span[2] if len(span) > 2 else self.limit
+        if limit is None:
             return self.source.fetch(self._indices(first, stop))
-        valid = np.arange(first, stop) < self.limit
+        valid = np.arange(first, stop) < limit
         indices = np.zeros(stop - first, dtype=np.int64)
         real = int(valid.sum())
         indices[:real] = self._indices(first, first + real)
@@ -93,7 +95,14 @@ class PlanDataLoader(DataLoader):
     DataLoader's per-item machinery, and the sampler advances no further than what was yielded.
     """
 
-    def __init__(self, dataset: PlanDataset, sampler: torch.utils.data.Sampler, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        dataset: PlanDataset,
+        sampler: torch.utils.data.Sampler,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
         super().__init__(
             dataset,
             batch_size=_GROUP if num_workers > 0 else None,
@@ -101,7 +110,11 @@ class PlanDataLoader(DataLoader):
             num_workers=num_workers,
             collate_fn=_keep,
             persistent_workers=num_workers > 0,
+            prefetch_factor=prefetch_factor,
         )
+        # Tensors are built here in the main process, so they are pinned here, on both paths; the
+        # DataLoader's own pinning would only see the workers' numpy arrays.
+        self.pin_batches = pin_memory
 
     def __len__(self) -> int:
         return len(self.sampler)  # micro-batches, however many travel in one worker message
@@ -116,7 +129,7 @@ class PlanDataLoader(DataLoader):
             batch = to_batch(raw)
             if "valid" in raw:
                 batch["labels"][torch.from_numpy(~raw["valid"])] = IGNORE_INDEX
-            yield batch
+            yield {key: value.pin_memory() for key, value in batch.items()} if self.pin_batches else batch
 
     # Resume state lives in the DataModule (positions consumed, derived from the training loop).
     # These two methods only tell Lightning that this loader resumes exactly, so it does not warn.

@@ -21,11 +21,16 @@ _BLOCK_STREAM = 2**32
 
 @dataclass(frozen=True)
 class PlannedSource:
-    """One source as the plan sees it: a name, a sample count and a fingerprint of its content."""
+    """One source as the plan sees it: a name, a sample count and a fingerprint of its content.
+
+    ``details`` are the plain settings behind the fingerprint (``seq_len``, the token range of a
+    split, ...), so a refused resume can say in words what changed.
+    """
 
     name: str
     num_samples: int
     fingerprint: str
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def largest_remainder_counts(probabilities: tuple[float, ...], total: int) -> tuple[int, ...]:
@@ -161,9 +166,24 @@ def describe_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str
         elif name not in old:
             changes.append(f"source {name!r} added")
         else:
-            changes += [
-                f"source {name!r} {field}: {old[name][field]!r} -> {new[name][field]!r}"
-                for field in ("num_samples", "fingerprint")
-                if old[name][field] != new[name][field]
-            ]
+            changes += _source_changes(name, old[name], new[name])
     return changes
+
+
+def _source_changes(name: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    changes = [f"source {name!r} num_samples: {old['num_samples']!r} -> {new['num_samples']!r}"]
+    changes = changes if old["num_samples"] != new["num_samples"] else []
+    before, after = old.get("details", {}), new.get("details", {})
+    for key in sorted(before.keys() | after.keys()):
+        if before.get(key) != after.get(key):
+            what = _DETAIL_WORDS.get(key, key)
+            changes.append(f"source {name!r} {what}: {before.get(key)!r} -> {after.get(key)!r}")
+    if old["fingerprint"] != new["fingerprint"] and before == after:
+        changes.append(f"source {name!r} fingerprint: {old['fingerprint']!r} -> {new['fingerprint']!r}")
+    return changes
+
+
+_DETAIL_WORDS = {
+    "data": "data content (fingerprint)",
+    "tokens": "token range of this split [first, end)",
+}

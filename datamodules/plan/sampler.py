@@ -26,6 +26,9 @@ class PlanSampler(DistributedSampler):
         rank: data-parallel rank.
         num_batches: micro-batches per epoch.
         start_position: returns the first position to serve when iteration starts.
+        pad_to_epoch_end: when a start off the global-batch grid (a resume on another number of
+            ranks) makes the epoch's last global batch run past the epoch end, serve the positions
+            past it as padding rows (no loss), so the epoch ends exactly where the plan's does.
     """
 
     def __init__(
@@ -37,29 +40,54 @@ class PlanSampler(DistributedSampler):
         rank: int,
         num_batches: int,
         start_position: Callable[[], int],
+        pad_to_epoch_end: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
         self.batch_size = batch_size
         self.num_batches = num_batches
         self.start_position = start_position
+        self.pad_to_epoch_end = pad_to_epoch_end
         self.batches_yielded = 0
 
     @property
     def positions_per_batch(self) -> int:
         return self.batch_size * self.num_replicas
 
+    @property
+    def epoch_positions(self) -> int:
+        return self.num_batches * self.positions_per_batch
+
     def __len__(self) -> int:
         return self.num_batches
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def epoch_end(self, start: int) -> int:
+        """The end of the plan epoch that position ``start`` falls in."""
+        return (start // self.epoch_positions + 1) * self.epoch_positions
+
+    def batches_left(self, start: int) -> int:
+        """Micro-batches an iteration starting at ``start`` yields before its epoch ends."""
+        return -(-(self.epoch_end(start) - start) // self.positions_per_batch)
+
+    def position_after(self, start: int, batches: int) -> int:
+        """The position reached ``batches`` micro-batches after ``start``, across epochs."""
+        stride, left = self.positions_per_batch, self.batches_left(start)
+        if not self.pad_to_epoch_end or batches < left:
+            return start + batches * stride
+        # The padded last batch of the first epoch ends at the epoch end; later epochs are whole batches.
+        return self.epoch_end(start) + (batches - left) * stride
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         stride = self.positions_per_batch
-        epoch_positions = self.num_batches * stride
         start = self.start_position()
-        end = (start // epoch_positions + 1) * epoch_positions
+        end = self.epoch_end(start)
         # Step over whole global micro-batches so every rank yields the same number of batches, even
         # when ``start`` is not a multiple of ``stride`` (a resume on a different number of ranks);
-        # the last global batch may then run past ``end`` into the next epoch's positions.
+        # the last global batch then runs past ``end``: into the next epoch's positions, or as
+        # padding rows when ``pad_to_epoch_end``.
         for batch_first in range(start, end, stride):
             first = batch_first + self.rank * self.batch_size
             self.batches_yielded += 1
-            yield first, first + self.batch_size
+            if self.pad_to_epoch_end and batch_first + stride > end:
+                yield first, first + self.batch_size, end
+            else:
+                yield first, first + self.batch_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datamodules.plan.datamodule import PlanDataModule
+from datamodules.plan.datamodule import PlanDataModule, require_int
 from datamodules.text.token_shard_source import TokenShardSource
 from datamodules.text.token_windows import TokenWindows
 
@@ -22,8 +22,8 @@ class TokenShardDataModule(PlanDataModule):
             validation, with no token shared with training. Default 0: no validation.
         pack_sequences: document-aware batches (``position_ids`` restart per document,
             ``document_ids``, no loss across a document boundary). Needs ``metadata.json``.
-        seed: data-order seed. num_workers: DataLoader workers.
-        allow_plan_change: see ``PlanDataModule``.
+        file_pattern: glob choosing the shard files of a directory without ``metadata.json``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
 
     Example::
 
@@ -39,14 +39,23 @@ class TokenShardDataModule(PlanDataModule):
         val_dir: str | Path | None = None,
         val_fraction: float = 0.0,
         pack_sequences: bool = False,
+        file_pattern: str | None = None,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
     ) -> None:
-        super().__init__(batch_size, seed=seed, num_workers=num_workers, allow_plan_change=allow_plan_change)
-        if seq_len <= 0:
-            raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-        self.source = TokenShardSource(data_dir, val_dir, val_fraction)
+        super().__init__(
+            batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            allow_plan_change=allow_plan_change,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
+        require_int("seq_len", seq_len, 1)
+        self.source = TokenShardSource(data_dir, val_dir, val_fraction, file_pattern)
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         data_dir, val_dir = self.source.data_dir, self.source.val_dir
         self.save_hyperparameters()

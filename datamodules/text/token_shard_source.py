@@ -19,11 +19,14 @@ class TokenShardSource(SourceSpec):
         val_dir: shards for validation; or use ``val_fraction``.
         val_fraction: hold out this fraction of the tokens (the tail of the stream) for
             validation, with no token shared with training. Default 0: no validation.
+        file_pattern: glob choosing the shard files of a directory without ``metadata.json``
+            (bare ``.npy``, or Megatron ``.idx``), e.g. ``"train_*.npy"``. Default: all of them.
     """
 
     data_dir: str
     val_dir: str | None = None
     val_fraction: float = 0.0
+    file_pattern: str | None = None
 
     def __post_init__(self) -> None:
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
@@ -35,10 +38,11 @@ class TokenShardSource(SourceSpec):
             raise ValueError(f"give val_dir ({self.val_dir}) or val_fraction ({self.val_fraction}), not both")
 
     def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
-        shards = TokenShards(self.data_dir)
+        shards = TokenShards(self.data_dir, self.file_pattern)
         windows = {"seq_len": seq_len, "pack_sequences": pack_sequences}
         if self.val_dir is not None:
-            return TokenWindows(shards, **windows), TokenWindows(TokenShards(self.val_dir), **windows)
+            val = TokenShards(self.val_dir, self.file_pattern)
+            return TokenWindows(shards, **windows), TokenWindows(val, **windows)
         if self.val_fraction == 0:
             return TokenWindows(shards, **windows), None
         split = shards.num_tokens - math.ceil(shards.num_tokens * self.val_fraction)

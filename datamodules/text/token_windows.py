@@ -51,6 +51,14 @@ class TokenWindows:
             )
         self.num_windows = (span - 1) // seq_len
         self.fingerprint = f"{shards.fingerprint}:{first_token}:{self.last_token}:{seq_len}:{int(pack_sequences)}"
+        # What the fingerprint is made of, in plain values: a refused resume names what changed.
+        self.details = {
+            "data": shards.fingerprint,
+            "tokens": [first_token, self.last_token],
+            "seq_len": seq_len,
+            "pack_sequences": pack_sequences,
+        }
+        self.vocabulary = shards.vocabulary
         # Window ranges of the stream: one here, several after ``join``. Range ``r`` holds windows
         # ``[_ends[r - 1], _ends[r])``; window ``i`` of it starts at token ``_shifts[r] + i * seq_len``.
         self._ends = np.array([self.num_windows], dtype=np.int64)

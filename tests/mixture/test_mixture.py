@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from datamodules import MixtureComponent, MixtureDataModule, PhaseScheduler, TokenShardSource
 from datamodules.mixture import mixture_probabilities
 from datamodules.plan.sample_plan import largest_remainder_counts
+from datamodules.text.shard_metadata import ShardMetadata
 from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 4, 10
@@ -191,22 +192,69 @@ def test_a_phase_zeroing_every_source_fails_at_setup(shard_dirs: dict[str, Path]
         fit(shard_dirs, 3, phases=[{"start_step": 2, "dataset_weights": {"a": 0.0, "b": 0.0, "c": 0.0}}])
 
 
-def test_phase_scheduler_logs_phase_weights_and_realized_counts(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
+def logged_rows(log_dir: str) -> dict[int, dict[str, str]]:
+    """The CSV logger's rows merged by step (callbacks and the DataModule log separately)."""
+    rows: dict[int, dict[str, str]] = {}
+    with open(Path(log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    return rows
+
+
+@pytest.mark.parametrize("with_scheduler", [True, False], ids=["phase-scheduler", "no-callback"])
+def test_metrics_are_logged_on_the_step_they_describe(
+    tmp_path: Path, shard_dirs: dict[str, Path], with_scheduler: bool
+) -> None:
     dm = make_dm(shard_dirs)
     logger = CSVLogger(tmp_path, name="logs")
-    trainer = quiet_trainer(max_steps=8, logger=logger, log_every_n_steps=1, callbacks=[PhaseScheduler(PHASES)])
+    callbacks = [PhaseScheduler(PHASES)] if with_scheduler else []
+    trainer = quiet_trainer(max_steps=8, logger=logger, log_every_n_steps=1, callbacks=callbacks)
     model = RecordingModel()
     trainer.fit(model, datamodule=dm)
-    with open(Path(logger.log_dir) / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("phase/index")]
-    assert [float(r["phase/index"]) for r in rows] == [0.0] * 4 + [1.0] * 4
-    assert [float(r["phase/lr_scale"]) for r in rows] == [1.0] * 4 + [0.5] * 4
-    assert [float(r["mixture/a/weight"]) for r in rows] == [0.5] * 4 + [0.0] * 4
+    rows = logged_rows(logger.log_dir)
+    assert sorted(rows) == list(range(8))
+    switched = [step >= 5 for step in range(8)] if with_scheduler else [False] * 8
+    if with_scheduler:
+        assert [float(rows[s]["phase/index"]) for s in range(8)] == [float(x) for x in switched]
+        assert [float(rows[s]["phase/lr_scale"]) for s in range(8)] == [0.5 if x else 1.0 for x in switched]
+    assert [float(rows[s]["mixture/a/weight"]) for s in range(8)] == [0.0 if x else 0.5 for x in switched]
     drawn = np.cumsum([source_counts(r) for r in model.records], axis=0)
     for i, name in enumerate(NAMES):
-        assert [float(r[f"mixture/{name}/samples"]) for r in rows] == drawn[:, i].tolist()
-        assert [float(r[f"mixture/{name}/tokens"]) for r in rows] == (drawn[:, i] * SEQ_LEN).tolist()
-    assert float(rows[-1]["mixture/c/passes"]) == 2  # 4*2 + 4*7 = 36 samples of a 30-window source
+        assert [float(rows[s][f"mixture/{name}/samples"]) for s in range(8)] == drawn[:, i].tolist()
+        assert [float(rows[s][f"mixture/{name}/tokens"]) for s in range(8)] == (drawn[:, i] * SEQ_LEN).tolist()
+    if with_scheduler:
+        assert float(rows[7]["mixture/c/passes"]) == 2  # 5*2 + 3*7 = 31 samples of a 30-window source
+
+
+def test_sources_of_different_tokenizers_are_refused_unless_allowed(tmp_path: Path) -> None:
+    dirs = make_mixture_shards(tmp_path, {"a": 50, "b": 50}, SEQ_LEN, ID)
+    for name, (tokenizer, eos) in zip(dirs, [("gpt2", 50256), ("meta-llama/Llama-3.1-8B", 128001)], strict=True):
+        meta = ShardMetadata.read(dirs[name])
+        meta.tokenizer, meta.eos_id = tokenizer, eos
+        meta.write(dirs[name])
+    components = [MixtureComponent(n, 0.5, TokenShardSource(str(d))) for n, d in dirs.items()]
+    dm = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH)
+    with pytest.raises(ValueError, match=r"sources 'a' and 'b' were tokenized differently: .*'gpt2'.*50256.*Llama"):
+        dm.setup("fit")
+    allowed = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH, allow_mixed_tokenizers=True)
+    allowed.setup("fit")
+    assert len(next(iter(allowed.train_dataloader()))["input_ids"]) == BATCH
+
+
+def test_a_phase_taking_more_samples_per_batch_than_a_source_has_fails_at_setup(tmp_path: Path) -> None:
+    dirs = make_mixture_shards(tmp_path, {"big": 400, "tiny": 5}, SEQ_LEN, ID)
+    components = [
+        MixtureComponent("big", 0.9, TokenShardSource(str(dirs["big"]))),
+        MixtureComponent("tiny", 0.1, TokenShardSource(str(dirs["tiny"]))),
+    ]
+    dm = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH)
+    model, trainer = (
+        RecordingModel(),
+        quiet_trainer(max_steps=3, callbacks=[PhaseScheduler(anneal_start_step=2, anneal_weights={"tiny": 10.0})]),
+    )
+    with pytest.raises(ValueError, match=r"takes 9 samples of source 'tiny', which has only 5: rows would repeat"):
+        trainer.fit(model, datamodule=dm)
+    assert model.records == []
 
 
 def test_checkpoints_load_with_weights_only_and_hold_plain_state(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:

@@ -31,8 +31,10 @@ def fit(
     resume: Path | None = None,
     seed: int = 1,
     accumulate: int = 1,
+    **options: object,
 ) -> list[dict]:
-    dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=num_workers, seed=seed)
+    options = {"seq_len": SEQ_LEN, "batch_size": BATCH, "num_workers": num_workers, "seed": seed, **options}
+    dm = TokenShardDataModule(shards, **options)
     model = RecordingModel()
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=ckpt_every, save_top_k=-1)] if ckpt_every else []
     trainer = quiet_trainer(max_steps=max_steps, callbacks=callbacks, accumulate_grad_batches=accumulate)
@@ -107,6 +109,23 @@ def test_resume_with_changed_data_is_refused_and_names_the_change(tmp_path: Path
     other = make_token_shards(tmp_path / "other", SEQ_LEN * BATCH * STEPS_PER_EPOCH * 2 + 1)
     with pytest.raises(ValueError, match=r"source 'train' num_samples: 40 -> 80"):
         fit(other, 6, 0, resume=checkpoint_at(tmp_path, 3))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"seq_len": 4}, r"source 'train' seq_len: 8 -> 4"),
+        ({"pack_sequences": True}, r"source 'train' pack_sequences: False -> True"),
+        ({"val_fraction": 0.25}, r"source 'train' token range of this split \[first, end\): \[0, 321\] -> \[0, 240\]"),
+    ],
+)
+def test_a_refused_resume_names_a_changed_setting_in_words(
+    tmp_path: Path, shards: Path, change: dict, words: str
+) -> None:
+    fit(shards, 3, 0, tmp_path, ckpt_every=3)
+    with pytest.raises(ValueError, match=words) as refused:
+        fit(shards, 6, 0, resume=checkpoint_at(tmp_path, 3), **change)
+    assert "fingerprint" not in str(refused.value)
 
 
 def test_allow_plan_change_resumes_at_the_saved_position(tmp_path: Path, shards: Path) -> None:

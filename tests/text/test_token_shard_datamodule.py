@@ -108,7 +108,11 @@ def test_bin_shards_take_their_dtype_from_metadata(tmp_path: Path) -> None:
         ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
         ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), got 1.0"),
         ({"val_fraction": 0.1, "val_dir": "v"}, "give val_dir"),
-        ({"num_workers": -1}, "num_workers must be >= 0, got -1"),
+        ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
+        ({"seq_len": 64.0}, "seq_len must be a positive integer, got 64.0"),
+        ({"batch_size": 4.0}, "batch_size must be a positive integer, got 4.0"),
+        ({"batch_size": True}, "batch_size must be a positive integer, got True"),
+        ({"prefetch_factor": 4}, "prefetch_factor=4 needs num_workers > 0"),
     ],
 )
 def test_bad_arguments_fail_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
@@ -184,3 +188,110 @@ def test_standalone_iteration_continues_where_the_last_epoch_stopped(tmp_path: P
     windows = [w for b in first + second for w in (b["input_ids"][:, 0] // 8).tolist()]
     assert sorted(windows[:12]) == sorted(windows[12:]) == list(range(12))
     assert dm.state_dict()["positions_consumed"] == 24
+
+
+def test_signed_npy_shards_without_metadata_are_refused(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(-5, 95, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"hold signed integers \(int32\) and no metadata.json"):
+        setup_dm(tmp_path)
+
+
+def test_a_truncated_npy_shard_names_the_file(tmp_path: Path) -> None:
+    np.save(tmp_path / "a.npy", np.arange(1000, dtype=np.uint16))
+    data = (tmp_path / "a.npy").read_bytes()
+    (tmp_path / "a.npy").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"token shard .*a.npy is truncated or not a .npy file"):
+        setup_dm(tmp_path)
+
+
+def test_a_missing_document_starts_file_names_it(tmp_path: Path) -> None:
+    make_token_shards(tmp_path, 500)
+    (tmp_path / "document_starts.npy").unlink()
+    with pytest.raises(FileNotFoundError, match=r"document_starts.npy, named in .*metadata.json, is missing"):
+        setup_dm(tmp_path)
+
+
+def test_a_global_batch_larger_than_the_data_is_an_error_at_setup(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"takes 4 samples of source 'train', which has only 3: rows would repeat"):
+        setup_dm(make_token_shards(tmp_path, 3 * 8 + 1))
+
+
+def test_file_pattern_selects_the_shard_files(tmp_path: Path) -> None:
+    np.save(tmp_path / "train_0.npy", np.arange(100, dtype=np.uint16))
+    np.save(tmp_path / "valid_0.npy", np.arange(5000, 5100, dtype=np.uint16))
+    dm = setup_dm(tmp_path, file_pattern="train_*.npy")
+    starts = [int(b["input_ids"][r, 0]) for b in dm.train_dataloader() for r in range(4)]
+    assert dm.sources[0].num_samples == 12 and max(starts) < 100
+
+
+def test_pin_memory_is_off_without_a_gpu_and_prefetch_factor_reaches_the_loader(tmp_path: Path) -> None:
+    dm = setup_dm(make_token_shards(tmp_path, 2000), num_workers=2, prefetch_factor=3)
+    loader = dm.train_dataloader()
+    assert loader.prefetch_factor == 3 and loader.pin_batches is False
+    forced = setup_dm(tmp_path, pin_memory=True)
+    with pytest.warns(UserWarning, match="pin_memory=True, but no CUDA device is available"):
+        loader = forced.train_dataloader()
+    assert not next(iter(loader))["input_ids"].is_pinned()
+
+
+def test_fit_logs_what_the_data_is_on_rank_zero(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tests.support import RecordingModel, quiet_trainer
+
+    dm = TokenShardDataModule(make_token_shards(tmp_path, 8 * 40 + 1), seq_len=8, batch_size=4)
+    with caplog.at_level("INFO", logger="datamodules"):
+        quiet_trainer(max_steps=25).fit(RecordingModel(), datamodule=dm)
+    assert (
+        "TokenShardDataModule source 'train': 40 samples (320 tokens), 10 steps per epoch of 4 samples, "
+        "max_steps=25 reads it 2.50 times" in caplog.text
+    )
+
+
+def write_megatron_pair(prefix: Path, documents: list[list[list[int]]]) -> None:
+    """A ``.bin``/``.idx`` pair by the MMIDIDX rules: documents of sequences of uint16 tokens."""
+    import struct
+
+    sequences = [s for doc in documents for s in doc]
+    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]) * 2
+    doc_index = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    np.array([t for s in sequences for t in s], dtype=np.uint16).tofile(prefix.with_suffix(".bin"))
+    with open(prefix.with_suffix(".idx"), "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
+        f.write(struct.pack("<Q", len(sequences)) + struct.pack("<Q", len(doc_index)))
+        f.write(lengths.tobytes() + pointers.astype(np.int64).tobytes() + doc_index.tobytes())
+
+
+def test_megatron_bin_idx_pairs_read_as_our_shards_of_the_same_documents(tmp_path: Path) -> None:
+    from datamodules import TokenShards
+    from datamodules.text.shard_writer import ShardWriter
+
+    rng = np.random.default_rng(0)
+    docs = [
+        [rng.integers(1, 60000, rng.integers(3, 40)).tolist() for _ in range(rng.integers(1, 4))] for _ in range(30)
+    ]
+    (tmp_path / "megatron").mkdir()
+    write_megatron_pair(tmp_path / "megatron" / "a_text_document", docs[:20])
+    write_megatron_pair(tmp_path / "megatron" / "b_text_document", docs[20:])
+    writer = ShardWriter(tmp_path / "ours", "uint16", 100)
+    for doc in docs:
+        tokens = [t for sentence in doc for t in sentence]
+        writer.add(np.array(tokens), np.array([len(tokens)]))
+    writer.close().write(tmp_path / "ours")
+    theirs, ours = TokenShards(tmp_path / "megatron"), TokenShards(tmp_path / "ours")
+    assert theirs.dtype == np.uint16 and theirs.num_tokens == ours.num_tokens
+    a, b = np.empty(ours.num_tokens, dtype=np.int64), np.empty(ours.num_tokens, dtype=np.int64)
+    theirs.read_into(0, a)
+    ours.read_into(0, b)
+    assert np.array_equal(a, b) and np.array_equal(theirs.document_starts, ours.document_starts)
+    packed = setup_dm(tmp_path / "megatron", pack_sequences=True)
+    reference = setup_dm(tmp_path / "ours", pack_sequences=True)
+    assert [b["position_ids"].tolist() for b in packed.train_dataloader()] == [
+        b["position_ids"].tolist() for b in reference.train_dataloader()
+    ]
+
+
+def test_a_megatron_index_with_a_wrong_header_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "x.idx").write_bytes(b"NOTMMIDX" + b"\0" * 40)
+    (tmp_path / "x.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match=r"x.idx is not a Megatron MMIDIDX index"):
+        setup_dm(tmp_path)
