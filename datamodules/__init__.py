@@ -21,6 +21,7 @@ _EXPORTS = {
     "TokenShardDataModule": "datamodules.text.token_shard_datamodule",
     "TokenShardSource": "datamodules.text.token_shard_source",
     "TokenShards": "datamodules.text.token_shards",
+    "WeightedSource": "datamodules.mixture",
 }
 
 __all__ = [
@@ -33,11 +34,12 @@ __all__ = [
     "TokenShardDataModule",
     "TokenShardSource",
     "TokenShards",
+    "WeightedSource",
 ]
 
 if TYPE_CHECKING:
     from datamodules.callbacks.phase_scheduler import PhaseScheduler
-    from datamodules.mixture import MixtureComponent, MixtureDataModule
+    from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
     from datamodules.text.token_shard_datamodule import TokenShardDataModule

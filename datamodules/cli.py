@@ -11,11 +11,13 @@ from lightning.pytorch.cli import LightningCLI
 def show_datamodule_logs() -> None:
     """INFO records of ``datamodules`` (what the data is, at the start of fit) on stderr, as Lightning's own."""
     logger = logging.getLogger("datamodules")
-    if not logger.handlers and not logging.getLogger().handlers:
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def main(args: list[str] | None = None, run: bool = True) -> LightningCLI:

@@ -39,6 +39,20 @@ class MixtureComponent:
             raise ValueError(f"weight of source {self.name!r} must be finite and >= 0, got {self.weight!r}")
 
 
+@dataclass
+class WeightedSource:
+    """A mixture source in the mapping form, ``{name: {weight, source}}``, as YAML configs write it:
+    ``--data.init_args.sources.<name>.source.init_args.data_dir=...`` then overrides one path.
+
+    Args:
+        weight: base sampling weight, finite and >= 0.
+        source: the source spec.
+    """
+
+    weight: float
+    source: SourceSpec
+
+
 def mixture_probabilities(weights: list[float], temperature: float) -> tuple[float, ...]:
     """``p_i ∝ w_i ** (1 / T)``; a zero weight stays exactly zero at every temperature."""
     scaled = np.asarray(weights, dtype=np.float64) ** (1.0 / temperature)
@@ -55,7 +69,8 @@ class MixtureDataModule(PlanDataModule):
     across a change, and elastic (a new data-parallel size continues at the saved position).
 
     Args:
-        sources: the components, each ``{name, weight, source}``.
+        sources: the components: a mapping ``{name: {weight, source}}`` (the YAML form, whose
+            entries the command line can override by name), or a list of ``MixtureComponent``.
         seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
         temperature: ``T > 0``; 1 samples in proportion to the weights, larger flattens the mix.
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
@@ -75,7 +90,7 @@ class MixtureDataModule(PlanDataModule):
 
     def __init__(
         self,
-        sources: list[MixtureComponent],
+        sources: dict[str, WeightedSource] | list[MixtureComponent],
         seq_len: int,
         batch_size: int,
         temperature: float = 1.0,
@@ -98,6 +113,13 @@ class MixtureDataModule(PlanDataModule):
         require_int("seq_len", seq_len, 1)
         if not sources:
             raise ValueError("a mixture needs at least one source")
+        if isinstance(sources, dict):
+            sources = [
+                MixtureComponent(
+                    name, *((c.weight, c.source) if isinstance(c, WeightedSource) else (c["weight"], c["source"]))
+                )
+                for name, c in sources.items()
+            ]
         components = [c if isinstance(c, MixtureComponent) else MixtureComponent(**c) for c in sources]
         names = [c.name for c in components]
         duplicates = sorted({n for n in names if names.count(n) > 1})

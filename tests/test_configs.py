@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from datamodules.cli import main
 from tests.support import make_token_shards
 
+REPO = Path(__file__).parent.parent
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
@@ -32,3 +36,32 @@ def test_config_fits_a_few_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert list(Path(".cache/quickstart").glob("checkpoints*/*.ckpt"))
     assert all(v.isfinite() for k, v in cli.trainer.callback_metrics.items() if k.startswith("val_loss"))
     assert any(k.startswith("val_loss") for k in cli.trainer.callback_metrics)
+
+
+def test_a_mixture_source_path_is_overridden_from_the_command_line_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("stdlib", "pydoc", "elsewhere"):
+        make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
+    override = "--data.init_args.sources.pydoc.source.init_args.data_dir=.cache/quickstart/shards_elsewhere"
+    config = Path(__file__).parent.parent / "configs" / "mixture_annealing.yaml"
+    cli = main([f"--config={config}", override, "--data.init_args.seq_len=16"], run=False)
+    paths = {c.name: c.source.data_dir for c in cli.datamodule.components}
+    assert paths == {"stdlib": ".cache/quickstart/shards_stdlib", "pydoc": ".cache/quickstart/shards_elsewhere"}
+
+
+def test_the_cli_shows_what_the_data_is_at_the_start_of_fit(tmp_path: Path) -> None:
+    for name in ("stdlib", "pydoc"):
+        make_token_shards(tmp_path / f".cache/quickstart/shards_{name}", 4000, doc_len=37)
+    config = Path(__file__).parent.parent / "configs" / "token_shards.yaml"
+    args = [sys.executable, "-m", "datamodules.cli", "fit", f"--config={config}", "--trainer.max_steps=2"]
+    args += ["--data.init_args.seq_len=16", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0"]
+    done = subprocess.run(
+        args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "INFO datamodules.plan.datamodule: TokenShardDataModule source 'train': 247 samples (3,952 tokens)"
+        in done.stderr
+    )
