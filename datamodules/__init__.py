@@ -12,6 +12,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "HFTextDataModule": "datamodules.text.hf_text",
+    "HFTextSource": "datamodules.text.hf_text",
     "MixtureComponent": "datamodules.mixture",
     "MixtureDataModule": "datamodules.mixture",
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
@@ -25,6 +27,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "HFTextDataModule",
+    "HFTextSource",
     "MixtureComponent",
     "MixtureDataModule",
     "PhaseScheduler",
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.text.hf_text import HFTextDataModule, HFTextSource
     from datamodules.text.token_shard_datamodule import TokenShardDataModule
     from datamodules.text.token_shard_source import TokenShardSource
     from datamodules.text.token_shards import TokenShards

@@ -157,6 +157,9 @@ class MixtureDataModule(PlanDataModule):
         if self.sources is not None:
             self.check_global_batch()
 
+    def source_specs(self) -> list[SourceSpec]:
+        return [c.source for c in self.components]
+
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         built = [(c.name, *c.source.build(self.seq_len, self.pack_sequences)) for c in self.components]
         known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]

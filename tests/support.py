@@ -52,6 +52,11 @@ def make_mixture_shards(root: Path, sizes: dict[str, int], seq_len: int, value_s
     }
 
 
+def row_digest(row: torch.Tensor) -> str:
+    """A short digest of one sequence's token ids (int64), to compare rows across processes."""
+    return hashlib.sha1(row.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
 def batch_digest(batch: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha1()
     for key in sorted(batch):
@@ -75,11 +80,13 @@ class RecordingModel(LightningModule):
         self.records: list[dict] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        real = (batch["labels"] != -100).any(dim=1)
         record = {
             "step": self.global_step,
             "digest": batch_digest(batch),
             # Padding rows (no label at all) hold no sample: only real rows count as consumed.
-            "starts": batch["input_ids"][(batch["labels"] != -100).any(dim=1), 0].tolist(),
+            "starts": batch["input_ids"][real, 0].tolist(),
+            "rows": [row_digest(row) for row in batch["input_ids"][real]],
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
         }
         self.records.append(record)

@@ -10,18 +10,29 @@ from pathlib import Path
 import pytest
 
 from datamodules.cli import main
+from examples.default_corpus import train_tokenizer
 from tests.support import make_token_shards
 
 REPO = Path(__file__).parent.parent
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
+def quickstart_inputs() -> None:
+    """What the quickstart leaves in ``.cache/quickstart``: shards, pydoc topic files and a tokenizer."""
+    for name in ("stdlib", "pydoc"):
+        make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
+    topics = Path(".cache/quickstart/pydoc_topics")
+    topics.mkdir(parents=True)
+    for i in range(30):
+        (topics / f"topic{i}.txt").write_text(f"Topic {i}. " + "The while statement repeats a block. " * (i + 3))
+    train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_config_fits_a_few_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: Path) -> None:
     # The configs name the quickstart's shard folders relative to the working directory.
     monkeypatch.chdir(tmp_path)
-    for name in ("stdlib", "pydoc"):
-        make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
+    quickstart_inputs()
     cli = main(
         [
             "fit",

@@ -19,7 +19,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source
+from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.parallelism import data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
@@ -92,6 +92,15 @@ class PlanDataModule(LightningDataModule):
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
         raise NotImplementedError
+
+    def source_specs(self) -> list[SourceSpec]:
+        """The configured sources, whose ``prepare`` runs in ``prepare_data``."""
+        return []
+
+    def prepare_data(self) -> None:
+        # Lightning runs this in one process per node (prepare_data_per_node=True) or one in all.
+        for spec in self.source_specs():
+            spec.prepare()
 
     def plan_identity(self) -> dict[str, Any]:
         """What fixes the data order of the positions already trained; a resume must match it."""

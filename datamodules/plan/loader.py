@@ -143,6 +143,10 @@ class PlanDataLoader(DataLoader):
 class SourceSpec(ABC):
     """A configured source (a YAML entry): builds its training samples and validation samples."""
 
+    def prepare(self) -> None:  # noqa: B027 (optional hook: most sources need no preparation)
+        """Work done before ``build`` in one process per node, or one in all (Lightning's
+        ``prepare_data``), such as tokenizing into a cache; nothing by default."""
+
     @abstractmethod
     def build(self, seq_len: int, pack_sequences: bool) -> tuple[Source, Source | None]:
         """``(train, val)``; ``val`` is ``None`` when the source holds out nothing."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from datamodules.text.prepare_inputs import (
     BadRows,
+    Corpus,
     PrepareError,
     document_batches,
     looks_like_hub_name,
@@ -131,7 +132,8 @@ def tokenized(
             yield pending.popleft().get()
 
 
-def _tokenizer_identity(tokenizer: str) -> list[str]:
+def tokenizer_identity(tokenizer: str) -> list[str]:
+    """What identifies a tokenizer without loading it: its local files by size and time, or its hub name."""
     path = Path(tokenizer).expanduser()
     if path.exists():
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
@@ -200,7 +202,7 @@ def _publish(partial: Path, output: Path) -> None:
 
 
 def prepare(
-    inputs: Sequence[str],
+    inputs: Sequence[str] | Corpus,
     output: str | Path,
     tokenizer: str,
     text_field: str = "text",
@@ -216,7 +218,8 @@ def prepare(
     num_parts: int = 1,
     part_index: int = 0,
 ) -> ShardMetadata:
-    """Tokenize ``inputs`` into ``output`` (or its part directory); returns the metadata written.
+    """Tokenize ``inputs`` (paths or hub names, or a ``Corpus``) into ``output`` (or its part
+    directory); returns the metadata written.
 
     A finished output of the same inputs and options is returned untouched; one of other inputs or
     options is refused unless ``overwrite``.
@@ -228,7 +231,7 @@ def prepare(
     if not 0 <= part_index < num_parts:
         raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
     bad_rows = BadRows(on_bad_row)
-    corpus = resolve_inputs(list(inputs), split=split, glob=glob)
+    corpus = inputs if isinstance(inputs, Corpus) else resolve_inputs(list(inputs), split=split, glob=glob)
     if num_parts > 1:
         corpus = corpus.part(part_index, num_parts)
     root = Path(output)
@@ -239,7 +242,7 @@ def prepare(
     # What the output is of (inputs by name, tokenizer, options), and that plus the inputs' sizes and
     # times: the same corpus re-prepared after an edit is replaced, another corpus is refused.
     names = _fingerprint([options, tokenizer, corpus.names()])
-    fingerprint = _fingerprint([options, _tokenizer_identity(tokenizer), corpus.identity()])
+    fingerprint = _fingerprint([options, tokenizer_identity(tokenizer), corpus.identity()])
     existing = _check_output(output, fingerprint, names, overwrite)
     if existing is not None:
         log.info("%s is up to date (%d tokens); nothing to do", output, existing.num_tokens)
@@ -289,7 +292,7 @@ def _write(
             bar.set_postfix(tokens=writer.num_tokens, refresh=False)
     metadata = writer.close()
     if metadata.num_documents == 0:
-        raise PrepareError(f"no documents in the inputs ({corpus.identity()[:3]}...)")
+        raise PrepareError(f"no documents in the inputs: {corpus.describe()}")
     log.info("tokenized at %.0f tokens/s", metadata.num_tokens / max(time.perf_counter() - started, 1e-9))
     metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer.name, tokenizer.separator_id, max_id
     metadata.bos_id = tokenizer.bos_id

@@ -12,7 +12,8 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from glob import glob as expand_glob
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,10 @@ class FileCorpus:
     def names(self) -> list[str]:
         return [f.path for f in self.files]
 
+    def describe(self) -> str:
+        more = f" and {len(self.files) - 3} more" if len(self.files) > 3 else ""
+        return ", ".join(f.path for f in self.files[:3]) + more
+
     def identity(self) -> list[str]:
         return [f.identity() for f in self.files]
 
@@ -207,44 +212,85 @@ class FileCorpus:
 
 @dataclass(frozen=True)
 class DatasetCorpus:
-    """A ``save_to_disk`` folder (``path`` local) or a hub dataset (streamed: no Arrow cache left behind)."""
+    """A ``save_to_disk`` folder (``saved``), or anything ``datasets.load_dataset`` takes: a hub name,
+    a builder (``json``, ``parquet``, ``text``) with ``data_files``, a local data folder. Loaded
+    datasets are streamed: one pass is all tokenizing needs, and no Arrow cache is left behind.
+
+    Args:
+        path: the folder, or ``load_dataset``'s ``path``.
+        split: the split to read.
+        saved: ``path`` is a ``save_to_disk`` folder (``load_from_disk``).
+        config: ``load_dataset``'s ``name`` (the dataset configuration).
+        data_files: ``load_dataset``'s ``data_files`` (local paths or globs, or remote ones).
+        load_kwargs: further ``load_dataset`` arguments, e.g. ``{"sample_by": "document"}``.
+    """
 
     path: str
     split: str
-    hub: bool
+    saved: bool
+    config: str | None = None
+    data_files: str | tuple[str, ...] | dict[str, Any] | None = None
+    load_kwargs: tuple[tuple[str, Any], ...] = ()
     part_index: int = 0
     num_parts: int = 1
 
     def names(self) -> list[str]:
-        return [f"{'hub' if self.hub else 'disk'}:{self.path}:{self.split}:{self.part_index}/{self.num_parts}"]
+        loader = "disk" if self.saved else "load"
+        return [
+            f"{loader}:{self.path}:{self.config}:{self.split}:{self.data_files}:{sorted(self.load_kwargs)}:"
+            f"{self.part_index}/{self.num_parts}"
+        ]
+
+    def describe(self) -> str:
+        return f"split {self.split!r} of {self.path!r}" + (f" ({self.data_files})" if self.data_files else "")
+
+    def _local_files(self) -> list[Path]:
+        if self.saved or Path(self.path).is_dir():
+            return sorted(p for p in Path(self.path).rglob("*") if p.is_file())
+        files = self.data_files
+        values = files.values() if isinstance(files, dict) else [files]
+        patterns = [p for v in values for p in ([v] if isinstance(v, str) else list(v or []))]
+        return sorted(
+            {Path(p) for pattern in patterns for p in expand_glob(pattern, recursive=True) if Path(p).is_file()}
+        )
 
     def identity(self) -> list[str]:
-        if self.hub:
-            return [f"hub:{self.path}:{self.split}"]
-        files = sorted(p for p in Path(self.path).rglob("*") if p.is_file())
-        return [self.split, *(f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)]
+        # Local files by size and time; a hub dataset by its name (its revision is not checked).
+        stats = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in self._local_files()]
+        return [*self.names(), *stats]
 
     def part(self, index: int, num_parts: int) -> DatasetCorpus:
-        return DatasetCorpus(self.path, self.split, self.hub, index, num_parts)
+        return replace(self, part_index=index, num_parts=num_parts)
 
     def _load(self) -> Any:
         import datasets
 
-        if not self.hub:
-            loaded = datasets.load_from_disk(self.path)
+        if self.saved:
+            try:
+                loaded = datasets.load_from_disk(self.path)
+            except Exception as err:  # datasets' own failure, told in one line
+                raise PrepareError(f"cannot load the saved dataset {self.path} ({type(err).__name__}: {err})") from None
             if isinstance(loaded, datasets.DatasetDict):
                 if self.split not in loaded:
                     raise PrepareError(f"{self.path} has no split {self.split!r}; splits are {list(loaded)}")
                 loaded = loaded[self.split]
-            return loaded.shard(self.num_parts, self.part_index, contiguous=True)
+            return loaded.shard(self.num_parts, self.part_index, contiguous=True) if self.num_parts > 1 else loaded
+        data_files = list(self.data_files) if isinstance(self.data_files, tuple) else self.data_files
         try:
-            loaded = datasets.load_dataset(self.path, split=self.split, streaming=True)
+            loaded = datasets.load_dataset(
+                self.path,
+                self.config,
+                split=self.split,
+                data_files=data_files,
+                streaming=True,
+                **dict(self.load_kwargs),
+            )
         except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise PrepareError(
-                f"{self.path!r} is not a local path, and loading it from the HuggingFace Hub failed "
-                f"({type(err).__name__}: {first[:200]})"
-            ) from None
+            where = "is not a local path, and loading it from the HuggingFace Hub failed"
+            if not looks_like_hub_name(self.path) or Path(self.path).exists():
+                where = "could not be loaded with datasets.load_dataset"
+            raise PrepareError(f"{self.path!r} {where} ({type(err).__name__}: {first[:200]})") from None
         return loaded.shard(num_shards=self.num_parts, index=self.part_index) if self.num_parts > 1 else loaded
 
     def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
@@ -304,13 +350,13 @@ def resolve_inputs(inputs: list[str], split: str = "train", glob: str | None = N
     for value in map(str, inputs):
         path = Path(value).expanduser()
         if path.is_dir() and any((path / m).exists() for m in _SAVED_DATASET_MARKERS):
-            datasets_named.append(DatasetCorpus(str(path), split, hub=False))
+            datasets_named.append(DatasetCorpus(str(path), split, saved=True))
         elif path.is_dir():
             files += _directory_files(path, glob)
         elif path.is_file():
             files.append(_input_file(path))
         elif looks_like_hub_name(value):
-            datasets_named.append(DatasetCorpus(value, split, hub=True))
+            datasets_named.append(DatasetCorpus(value, split, saved=False))
         else:
             raise PrepareError(f"input path {value!r} does not exist")
     if datasets_named and (files or len(datasets_named) > 1):

@@ -62,5 +62,8 @@ class TokenShardDataModule(PlanDataModule):
         self.seq_len = seq_len
         self.pack_sequences = pack_sequences
 
+    def source_specs(self) -> list[TokenShardSource]:
+        return [self.source]
+
     def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
         return [("train", *self.source.build(self.seq_len, self.pack_sequences))]

@@ -39,14 +39,19 @@ class TokenShardSource(SourceSpec):
 
     def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
         shards = TokenShards(self.data_dir, self.file_pattern)
-        windows = {"seq_len": seq_len, "pack_sequences": pack_sequences}
-        if self.val_dir is not None:
-            val = TokenShards(self.val_dir, self.file_pattern)
-            return TokenWindows(shards, **windows), TokenWindows(val, **windows)
-        if self.val_fraction == 0:
-            return TokenWindows(shards, **windows), None
-        split = shards.num_tokens - math.ceil(shards.num_tokens * self.val_fraction)
-        return (
-            TokenWindows(shards, last_token=split, **windows),
-            TokenWindows(shards, first_token=split, **windows),
-        )
+        val = None if self.val_dir is None else TokenShards(self.val_dir, self.file_pattern)
+        return split_windows(shards, val, self.val_fraction, seq_len, pack_sequences)
+
+
+def split_windows(
+    shards: TokenShards, val: TokenShards | None, val_fraction: float, seq_len: int, pack_sequences: bool
+) -> tuple[TokenWindows, TokenWindows | None]:
+    """Training windows of ``shards`` and validation windows of ``val``, or of the held-out tail
+    (``val_fraction`` of the tokens, starting at a token no training window reads)."""
+    windows = {"seq_len": seq_len, "pack_sequences": pack_sequences}
+    if val is not None:
+        return TokenWindows(shards, **windows), TokenWindows(val, **windows)
+    if val_fraction == 0:
+        return TokenWindows(shards, **windows), None
+    split = shards.num_tokens - math.ceil(shards.num_tokens * val_fraction)
+    return TokenWindows(shards, last_token=split, **windows), TokenWindows(shards, first_token=split, **windows)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from datamodules import (  # noqa: E402
+    HFTextDataModule,
     MixtureComponent,
     MixtureDataModule,
     PhaseScheduler,  # noqa: E402
@@ -41,6 +44,17 @@ from datamodules import (  # noqa: E402
 )
 from datamodules.plan.datamodule import PlanDataModule  # noqa: E402
 from tests.support import RecordingModel  # noqa: E402
+
+
+class TokenizationCounter(logging.Handler):
+    """Counts the corpora this process tokenized (the prepare command's "wrote ..." records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("wrote ")
 
 
 class LoaderProbe(Callback):
@@ -81,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     data = parser.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", help="token shard directory (TokenShardDataModule)")
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
+    data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
+    parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
+    parser.add_argument("--cache-dir", help="HFTextDataModule cache_dir; {node} is replaced by NODE_RANK")
+    parser.add_argument("--prepare-once", action="store_true", help="prepare_data_per_node=False")
     parser.add_argument("--phases", help="JSON list of PhaseScheduler phases")
     parser.add_argument("--seq-len", type=int, required=True)
     parser.add_argument("--batch-size", type=int, required=True)
@@ -100,8 +118,22 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
 
     loading = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed, "num_workers": args.workers}
+    tokenized = TokenizationCounter()
+    logging.getLogger("datamodules.text.prepare").addHandler(tokenized)
+    logging.getLogger("datamodules.text.prepare").setLevel(logging.INFO)
     if args.mixture:
         datamodule: PlanDataModule = MixtureDataModule(mixture_components(args.mixture), **loading)
+    elif args.hf_json:
+        cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))
+        datamodule = HFTextDataModule(
+            "json",
+            args.tokenizer,
+            data_files=args.hf_json,
+            cache_dir=cache_dir,
+            num_proc=1,
+            prepare_data_per_node=not args.prepare_once,
+            **loading,
+        )
     else:
         datamodule = TokenShardDataModule(args.data, **loading)
     probe = LoaderProbe(datamodule)
@@ -142,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             "global_step": trainer.global_step,
             "positions_consumed": datamodule.positions_consumed,
             "lr_by_step": probe.lr_by_step,
+            "tokenized": tokenized.count,
         }
         Path(f"{args.info}.rank{trainer.global_rank}").write_text(json.dumps(info))
 

@@ -1,0 +1,187 @@
+"""HuggingFace text datasets, tokenized once in ``prepare_data`` into token shards and served by the
+token-shard windows: the plan, packing, exact and elastic resume are the token shards' own.
+
+The cache directory is keyed by what determines the tokens (the dataset's files or name, the
+tokenizer, the options), so ``setup`` on every rank only opens it, and a cache of other inputs is
+never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from datamodules.plan.datamodule import PlanDataModule, require_int
+from datamodules.plan.loader import SourceSpec
+from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenizer_identity
+from datamodules.text.prepare_inputs import DatasetCorpus
+from datamodules.text.shard_metadata import METADATA_FILE
+from datamodules.text.token_shard_source import split_windows
+from datamodules.text.token_shards import TokenShards
+from datamodules.text.token_windows import TokenWindows
+
+_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+
+
+@dataclass
+class HFTextSource(SourceSpec):
+    """A HuggingFace text dataset as a source: tokenized once into a cache, then token windows.
+
+    Args:
+        path: ``datasets.load_dataset``'s ``path`` (a hub name, a builder such as ``"json"``,
+            ``"parquet"`` or ``"text"`` with ``data_files``, a local data folder), or a
+            ``save_to_disk`` folder (read with ``load_from_disk``).
+        tokenizer: a ``transformers`` tokenizer name or local path.
+        name: the dataset configuration (``load_dataset``'s ``name``).
+        split: the training split.
+        data_files: ``load_dataset``'s ``data_files``: a path or glob, a list of them, or a mapping
+            of split name to those.
+        text_field: the column holding the text.
+        val_split: a split of the same dataset for validation, tokenized into its own cache; or
+        val_fraction: hold out this fraction of the training tokens (the tail) for validation.
+        cache_dir: where the token shards go, one folder per set of inputs and options. It must
+            be shared by the ranks of a node (or by all ranks, with ``prepare_data_per_node=False``).
+        add_bos: start every document with the tokenizer's BOS token (EOS always ends it).
+        num_proc: tokenizer processes in ``prepare_data`` (default: CPU count, at most 8).
+        load_kwargs: further ``load_dataset`` arguments, e.g. ``{"sample_by": "document"}``.
+    """
+
+    path: str
+    tokenizer: str
+    name: str | None = None
+    split: str = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    text_field: str = "text"
+    val_split: str | None = None
+    val_fraction: float = 0.0
+    cache_dir: str = ".cache/datamodules/hf_text"
+    add_bos: bool = False
+    num_proc: int | None = None
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_split is not None and self.val_fraction > 0:
+            raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
+        if self.num_proc is not None:
+            require_int("num_proc", self.num_proc, 1)
+
+    def _corpus(self, split: str) -> DatasetCorpus:
+        saved = Path(self.path).is_dir() and any((Path(self.path) / m).exists() for m in _SAVED_DATASET_MARKERS)
+        files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files
+        return DatasetCorpus(self.path, split, saved, self.name, files, tuple(sorted(self.load_kwargs.items())))
+
+    def cache_path(self, split: str) -> Path:
+        """The cache folder of ``split``: named for the dataset, keyed by everything behind its tokens."""
+        identity = [FORMAT_VERSION, self.text_field, self.add_bos, tokenizer_identity(self.tokenizer)]
+        key = hashlib.blake2b(json.dumps([identity, self._corpus(split).identity()]).encode(), digest_size=8)
+        readable = re.sub(r"[^\w.-]+", "_", f"{Path(self.path).name or self.path}-{self.name or ''}-{split}")
+        return Path(self.cache_dir) / f"{readable}-{key.hexdigest()}"
+
+    def _splits(self) -> list[str]:
+        return [self.split] if self.val_split is None else [self.split, self.val_split]
+
+    def prepare(self) -> None:
+        for split in self._splits():
+            prepare(
+                self._corpus(split),
+                self.cache_path(split),
+                self.tokenizer,
+                text_field=self.text_field,
+                num_proc=self.num_proc,
+                add_bos=self.add_bos,
+            )
+
+    def _open(self, split: str) -> TokenShards:
+        path = self.cache_path(split)
+        if not (path / METADATA_FILE).exists():
+            raise FileNotFoundError(
+                f"no tokenized cache of {self.path!r} split {split!r} at {path}: prepare_data() has not run for "
+                "these inputs (Trainer.fit runs it), or cache_dir is not shared by this node's ranks"
+            )
+        return TokenShards(path)
+
+    def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
+        val = None if self.val_split is None else self._open(self.val_split)
+        return split_windows(self._open(self.split), val, self.val_fraction, seq_len, pack_sequences)
+
+
+class HFTextDataModule(PlanDataModule):
+    """Trains on a HuggingFace text dataset, tokenized once in ``prepare_data`` into a token cache.
+
+    Args:
+        path, tokenizer, name, split, data_files, text_field, val_split, val_fraction, cache_dir,
+            add_bos, num_proc, load_kwargs: see ``HFTextSource``.
+        seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
+        pack_sequences: document-aware batches (see ``TokenShardDataModule``).
+        prepare_data_per_node: tokenize once per node (default; each node's ``cache_dir``), or
+            once in all (``False``; ``cache_dir`` on a filesystem every node shares).
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+
+    Example::
+
+        dm = HFTextDataModule("json", tokenizer="gpt2", data_files="data/*.jsonl.gz", seq_len=2048, batch_size=8)
+        trainer.fit(model, datamodule=dm)
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        seq_len: int,
+        batch_size: int,
+        name: str | None = None,
+        split: str = "train",
+        data_files: str | list[str] | dict[str, str | list[str]] | None = None,
+        text_field: str = "text",
+        val_split: str | None = None,
+        val_fraction: float = 0.0,
+        cache_dir: str = ".cache/datamodules/hf_text",
+        add_bos: bool = False,
+        num_proc: int | None = None,
+        load_kwargs: dict[str, Any] | None = None,
+        pack_sequences: bool = False,
+        prepare_data_per_node: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        allow_plan_change: bool = False,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        super().__init__(
+            batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            allow_plan_change=allow_plan_change,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
+        self.seq_len = require_int("seq_len", seq_len, 1)
+        self.pack_sequences = pack_sequences
+        self.prepare_data_per_node = prepare_data_per_node
+        self.source = HFTextSource(
+            path,
+            tokenizer,
+            name=name,
+            split=split,
+            data_files=data_files,
+            text_field=text_field,
+            val_split=val_split,
+            val_fraction=val_fraction,
+            cache_dir=cache_dir,
+            add_bos=add_bos,
+            num_proc=num_proc,
+            load_kwargs=dict(load_kwargs or {}),
+        )
+        self.save_hyperparameters()
+
+    def source_specs(self) -> list[HFTextSource]:
+        return [self.source]
+
+    def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
+        return [("train", *self.source.build(self.seq_len, self.pack_sequences))]
