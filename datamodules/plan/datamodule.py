@@ -120,7 +120,6 @@ class PlanDataModule(LightningDataModule):
                 PlannedSource(name, len(train), train.fingerprint, dict(getattr(train, "details", {})))
                 for name, train, _ in parts
             ]
-            self._vocabularies = {name: getattr(train, "vocabulary", None) for name, train, _ in parts}
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
         self.check_global_batch()
         if self._pending_state is not None:
