@@ -6,7 +6,7 @@ same in two processes at once on half the documents each (what this machine's co
 ``prepare`` with ``--num-proc 1``
 and ``--num-proc 2`` (the whole call timed: reading, tokenizing, writing, hashing; the ~2 s import of
 ``transformers`` is not, as for the bare encode); medians. Each contender runs in its own process,
-whose peak memory (PSS, with its workers) is sampled; a quarter-size corpus shows whether memory grows
+whose peak memory (PSS, with its workers) is sampled every 0.5 s; a quarter-size corpus shows whether memory grows
 with the corpus. Then an unchanged re-run of the command, timed end to end, interpreter start-up
 included: ``python -m benchmarks.prepare_throughput``.
 """
@@ -111,7 +111,10 @@ def run_child(kind: str, corpus: Path, tokenizer: Path, output: Path, env: dict[
                 peak[0] = max(peak[0], sum(p.memory_full_info().pss for p in tree))
             except psutil.Error:
                 pass
-            time.sleep(0.05)
+            # Reading PSS walks every page table of the tree: often enough to see the peak of a
+            # steady pipeline, rarely enough not to slow the contenders (at 50 ms it cost the
+            # three-process run ~10% of its speed).
+            time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
