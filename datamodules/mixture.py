@@ -161,7 +161,9 @@ class MixtureDataModule(PlanDataModule):
         return [c.source for c in self.components]
 
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
-        built = [(c.name, *c.source.build(self.seq_len, self.pack_sequences)) for c in self.components]
+        built = [
+            (c.name, *c.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero)) for c in self.components
+        ]
         known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]
         for name, vocabulary in known[1:]:
             first, first_vocabulary = known[0]

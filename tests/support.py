@@ -78,6 +78,7 @@ class RecordingModel(LightningModule):
         self.layer = torch.nn.Linear(1, 1)
         self.record_path = record_path
         self.records: list[dict] = []
+        self.validation_rows: list[str] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         real = (batch["labels"] != -100).any(dim=1)
@@ -97,7 +98,14 @@ class RecordingModel(LightningModule):
         return self.layer(x).pow(2).mean()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        pass
+        if self.trainer.sanity_checking:  # a peek before training, not the evaluation
+            return
+        real = (batch["labels"] != -100).any(dim=1)
+        rows = [row_digest(row) for row in batch["input_ids"][real]]
+        self.validation_rows += rows
+        if self.record_path:
+            with open(f"{self.record_path}.val.rank{self.global_rank}", "a") as f:
+                f.write(json.dumps(rows) + "\n")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)

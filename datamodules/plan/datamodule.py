@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -20,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source, SourceSpec
-from datamodules.plan.parallelism import data_parallel_rank_and_size
+from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
 
@@ -92,6 +93,10 @@ class PlanDataModule(LightningDataModule):
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
         raise NotImplementedError
+
+    def on_rank_zero(self, make: Callable[[], Any]) -> Any:
+        """``make()`` on global rank 0, its value broadcast to every rank (see ``computed_on_rank_zero``)."""
+        return computed_on_rank_zero(self.trainer, make)
 
     def source_specs(self) -> list[SourceSpec]:
         """The configured sources, whose ``prepare`` runs in ``prepare_data``."""

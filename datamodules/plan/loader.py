@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.plan.sample_plan import SamplePlan
 
+RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 _GROUP = 16  # micro-batches per worker message
@@ -148,5 +149,12 @@ class SourceSpec(ABC):
         ``prepare_data``), such as tokenizing into a cache; nothing by default."""
 
     @abstractmethod
-    def build(self, seq_len: int, pack_sequences: bool) -> tuple[Source, Source | None]:
-        """``(train, val)``; ``val`` is ``None`` when the source holds out nothing."""
+    def build(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+    ) -> tuple[Source, Source | None]:
+        """``(train, val)``; ``val`` is ``None`` when the source holds out nothing.
+
+        ``on_rank_zero(make)`` runs ``make`` on global rank 0 and hands its value to every rank
+        (``computed_on_rank_zero``); a source that loads something only one process should touch
+        uses it. ``None``: this is the only process.
+        """

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def data_parallel_rank_and_size(trainer: Any | None) -> tuple[int, int]:
@@ -17,3 +20,15 @@ def data_parallel_rank_and_size(trainer: Any | None) -> tuple[int, int]:
     if not 0 <= rank < size:
         raise ValueError(f"data-parallel rank {rank} is outside a group of size {size}")
     return rank, size
+
+
+def computed_on_rank_zero(trainer: Any | None, make: Callable[[], T]) -> T:
+    """``make()`` run on global rank 0 only, its value sent to every rank by the strategy's broadcast.
+
+    Every rank must call it at the same point (it is a collective); without a Trainer or with one
+    process, ``make()`` simply runs here.
+    """
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or getattr(trainer, "world_size", 1) == 1:
+        return make()
+    return strategy.broadcast(make() if trainer.global_rank == 0 else None, src=0)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from datamodules.plan.datamodule import PlanDataModule, require_int
-from datamodules.plan.loader import SourceSpec
-from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenizer_identity
+from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
 from datamodules.text.prepare_inputs import DatasetCorpus
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.token_shard_source import split_windows
@@ -41,7 +43,9 @@ class HFTextSource(SourceSpec):
         data_files: ``load_dataset``'s ``data_files``: a path or glob, a list of them, or a mapping
             of split name to those.
         text_field: the column holding the text.
-        val_split: a split of the same dataset for validation, tokenized into its own cache; or
+        val_split: a split of the same dataset for validation: global rank 0 alone loads and
+            tokenizes it (in ``setup``) and broadcasts the tokens, so no other rank touches the
+            dataset or its cache; or
         val_fraction: hold out this fraction of the training tokens (the tail) for validation.
         cache_dir: where the token shards go, one folder per set of inputs and options. It must
             be shared by the ranks of a node (or by all ranks, with ``prepare_data_per_node=False``).
@@ -83,19 +87,15 @@ class HFTextSource(SourceSpec):
         readable = re.sub(r"[^\w.-]+", "_", f"{Path(self.path).name or self.path}-{self.name or ''}-{split}")
         return Path(self.cache_dir) / f"{readable}-{key.hexdigest()}"
 
-    def _splits(self) -> list[str]:
-        return [self.split] if self.val_split is None else [self.split, self.val_split]
-
     def prepare(self) -> None:
-        for split in self._splits():
-            prepare(
-                self._corpus(split),
-                self.cache_path(split),
-                self.tokenizer,
-                text_field=self.text_field,
-                num_proc=self.num_proc,
-                add_bos=self.add_bos,
-            )
+        prepare(
+            self._corpus(self.split),
+            self.cache_path(self.split),
+            self.tokenizer,
+            text_field=self.text_field,
+            num_proc=self.num_proc,
+            add_bos=self.add_bos,
+        )
 
     def _open(self, split: str) -> TokenShards:
         path = self.cache_path(split)
@@ -106,8 +106,16 @@ class HFTextSource(SourceSpec):
             )
         return TokenShards(path)
 
-    def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
-        val = None if self.val_split is None else self._open(self.val_split)
+    def _evaluation_set(self) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+        return tokenize_to_memory(self._corpus(self.val_split), self.tokenizer, self.text_field, self.add_bos)
+
+    def build(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+    ) -> tuple[TokenWindows, TokenWindows | None]:
+        val = None
+        if self.val_split is not None:
+            tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(self._evaluation_set)
+            val = TokenShards.from_tokens(tokens, starts, f"{self.path}:{self.val_split}", vocabulary)
         return split_windows(self._open(self.split), val, self.val_fraction, seq_len, pack_sequences)
 
 
@@ -184,4 +192,4 @@ class HFTextDataModule(PlanDataModule):
         return [self.source]
 
     def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
-        return [("train", *self.source.build(self.seq_len, self.pack_sequences))]
+        return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero))]

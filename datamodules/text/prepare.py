@@ -268,6 +268,22 @@ def prepare(
     return metadata
 
 
+def tokenize_to_memory(
+    corpus: Corpus, tokenizer: str, text_field: str = "text", add_bos: bool = False
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """``(tokens, document_starts, vocabulary)`` of a small corpus (an evaluation set), in this process."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos)
+    parts = list(tokenized(document_batches(corpus, text_field, BadRows()), document_tokenizer, num_proc=1))
+    if not parts:
+        raise PrepareError(f"no documents in the inputs: {corpus.describe()}")
+    tokens = np.concatenate([t for t, _ in parts])
+    lengths = np.concatenate([n for _, n in parts])
+    log.info("tokenized the evaluation set %s: %d tokens in %d documents", corpus.describe(), len(tokens), len(lengths))
+    vocabulary = {"tokenizer": tokenizer, "eos_id": document_tokenizer.separator_id}
+    return tokens, np.cumsum(lengths) - lengths, vocabulary
+
+
 def _write(
     corpus: Any,
     text_field: str,

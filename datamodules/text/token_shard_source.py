@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from datamodules.plan.loader import SourceSpec
+from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.token_shards import TokenShards
 from datamodules.text.token_windows import TokenWindows
 
@@ -37,7 +37,9 @@ class TokenShardSource(SourceSpec):
         if self.val_dir is not None and self.val_fraction > 0:
             raise ValueError(f"give val_dir ({self.val_dir}) or val_fraction ({self.val_fraction}), not both")
 
-    def build(self, seq_len: int, pack_sequences: bool) -> tuple[TokenWindows, TokenWindows | None]:
+    def build(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+    ) -> tuple[TokenWindows, TokenWindows | None]:
         shards = TokenShards(self.data_dir, self.file_pattern)
         val = None if self.val_dir is None else TokenShards(self.val_dir, self.file_pattern)
         return split_windows(shards, val, self.val_fraction, seq_len, pack_sequences)

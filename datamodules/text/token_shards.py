@@ -236,6 +236,20 @@ class TokenShards:
         self.vocabulary = layout.vocabulary
         self._layout = layout
         self._maps: dict[int, np.ndarray] = {}
+        self._memory: np.ndarray | None = None
+
+    @classmethod
+    def from_tokens(
+        cls, tokens: np.ndarray, document_starts: np.ndarray, name: str, vocabulary: dict[str, Any] | None = None
+    ) -> TokenShards:
+        """A stream held in memory (an evaluation set sent from rank 0), read like shards on disk."""
+        shards = cls.__new__(cls)
+        shards.directory = Path(name)
+        digest = hashlib.blake2b(np.ascontiguousarray(tokens).data, digest_size=16).hexdigest()
+        shard = _Shard(f"<memory:{name}>", len(tokens), 0, tokens.dtype.name)
+        shards._set_layout(_Layout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
+        shards._memory = tokens
+        return shards
 
     @classmethod
     def concat(cls, parts: list[TokenShards]) -> TokenShards:
@@ -250,6 +264,8 @@ class TokenShards:
         return {**self.__dict__, "_maps": {}}
 
     def _map(self, i: int) -> np.ndarray:
+        if self._memory is not None:
+            return self._memory
         tokens = self._maps.get(i)
         if tokens is None:
             shard = self._shards[i]

@@ -31,6 +31,7 @@ from pathlib import Path
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_TESTS.parent))
 
+import numpy as np  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
@@ -46,15 +47,27 @@ from datamodules.plan.datamodule import PlanDataModule  # noqa: E402
 from tests.support import RecordingModel  # noqa: E402
 
 
+def validation_tokens(datamodule: PlanDataModule) -> list[list[int]]:
+    """Every validation source's token stream, as this rank holds it."""
+    streams = []
+    for _, val in datamodule._vals:
+        tokens = np.empty(val.shards.num_tokens, dtype=np.int64)
+        val.shards.read_into(0, tokens)
+        streams.append(tokens.tolist())
+    return streams
+
+
 class TokenizationCounter(logging.Handler):
     """Counts the corpora this process tokenized (the prepare command's "wrote ..." records)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.evaluation_sets = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         self.count += record.getMessage().startswith("wrote ")
+        self.evaluation_sets += record.getMessage().startswith("tokenized the evaluation set")
 
 
 class LoaderProbe(Callback):
@@ -97,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
+    parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
     parser.add_argument("--cache-dir", help="HFTextDataModule cache_dir; {node} is replaced by NODE_RANK")
     parser.add_argument("--prepare-once", action="store_true", help="prepare_data_per_node=False")
     parser.add_argument("--phases", help="JSON list of PhaseScheduler phases")
@@ -125,10 +139,12 @@ def main(argv: list[str] | None = None) -> None:
         datamodule: PlanDataModule = MixtureDataModule(mixture_components(args.mixture), **loading)
     elif args.hf_json:
         cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))
+        files = {"train": args.hf_json, "validation": args.hf_val_json} if args.hf_val_json else args.hf_json
         datamodule = HFTextDataModule(
             "json",
             args.tokenizer,
-            data_files=args.hf_json,
+            data_files=files,
+            val_split="validation" if args.hf_val_json else None,
             cache_dir=cache_dir,
             num_proc=1,
             prepare_data_per_node=not args.prepare_once,
@@ -175,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
             "positions_consumed": datamodule.positions_consumed,
             "lr_by_step": probe.lr_by_step,
             "tokenized": tokenized.count,
+            "evaluation_sets_tokenized": tokenized.evaluation_sets,
+            "validation_tokens": validation_tokens(datamodule),
         }
         Path(f"{args.info}.rank{trainer.global_rank}").write_text(json.dumps(info))
 

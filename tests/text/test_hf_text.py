@@ -101,7 +101,7 @@ def test_setup_without_prepare_data_names_the_missing_cache(tmp_path: Path, toke
         make_dm(tmp_path, tokenizer).setup("fit")
 
 
-def test_a_validation_split_is_tokenized_into_its_own_cache(tmp_path: Path, tokenizer: str) -> None:
+def test_a_validation_split_is_tokenized_in_setup_and_evaluated_once(tmp_path: Path, tokenizer: str) -> None:
     files = {
         "train": str(jsonl(tmp_path / "train.jsonl", DOCS[:50])),
         "test": str(jsonl(tmp_path / "t.jsonl", DOCS[50:])),
@@ -110,11 +110,15 @@ def test_a_validation_split_is_tokenized_into_its_own_cache(tmp_path: Path, toke
         "json", tokenizer, SEQ_LEN, BATCH, data_files=files, val_split="test", cache_dir=str(tmp_path / "c"), num_proc=1
     )
     dm.prepare_data()
+    assert [p.name.split("-")[2] for p in (tmp_path / "c").iterdir()] == ["train"]  # nothing cached for "test"
     dm.setup("fit")
     prepare([files["test"]], tmp_path / "reference", tokenizer, num_proc=1)
-    assert stream(dm.source.cache_path("test")) == stream(tmp_path / "reference")
+    (_, val), reference = dm._vals[0], stream(tmp_path / "reference")
+    tokens = np.empty(val.shards.num_tokens, dtype=np.int64)
+    val.shards.read_into(0, tokens)
+    assert tokens.tolist() == reference
     rows = sum(int((b["labels"] != -100).any(dim=1).sum()) for b in dm.val_dataloader())
-    assert rows == (len(stream(tmp_path / "reference")) - 1) // SEQ_LEN
+    assert rows == (len(reference) - 1) // SEQ_LEN
 
 
 def fit(dm: HFTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list[dict]:

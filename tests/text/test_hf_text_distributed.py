@@ -38,6 +38,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def train(corpus: tuple[Path, str], root: Path, cache_dir: str, *, num_nodes: int = 1, devices: int = 1, **kw) -> Run:
     data, tokenizer = corpus
     args = ["--hf-json", str(data), "--tokenizer", tokenizer, "--cache-dir", cache_dir, "--max-epochs", "1"]
+    args += ["--hf-val-json", kw["val"]] if kw.get("val") else []
     args += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--devices", str(devices), "--strategy", "ddp"]
     args += ["--prepare-once"] if kw.get("prepare_once") else []
     return train_record(args, root, num_nodes=num_nodes)
@@ -82,3 +83,23 @@ def test_a_shared_cache_with_prepare_data_per_node_false_is_tokenized_once_in_al
     run = train(corpus, tmp_path, str(tmp_path / "shared"), num_nodes=2, prepare_once=True)
     assert [run.info(node)["tokenized"] for node in (0, 1)] == [1, 0]
     assert Counter(trained_rows(run, 0) + trained_rows(run, 1)) == all_windows(corpus, str(tmp_path / "shared"))
+
+
+def test_an_evaluation_split_is_loaded_on_rank_zero_only_and_each_window_evaluated_once(
+    corpus: tuple[Path, str], tmp_path: Path
+) -> None:
+    data, tokenizer = corpus
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": d[::-1]}) + "\n" for d in DOCS[:25]))
+    run = train(corpus, tmp_path, str(tmp_path / "cache"), devices=2, val=str(val))
+    assert [run.info(r)["evaluation_sets_tokenized"] for r in (0, 1)] == [1, 0]  # rank 1 never opened it
+    assert run.info(0)["validation_tokens"] == run.info(1)["validation_tokens"]
+    (tokens,) = run.info(0)["validation_tokens"]
+    windows = torch.tensor(tokens[: (len(tokens) - 1) // SEQ_LEN * SEQ_LEN]).view(-1, SEQ_LEN)
+    evaluated = [
+        d
+        for r in (0, 1)
+        for line in Path(f"{run.root}/records.val.rank{r}").read_text().splitlines()
+        for d in json.loads(line)
+    ]
+    assert Counter(evaluated) == Counter(row_digest(w) for w in windows)  # each window once, over both ranks
