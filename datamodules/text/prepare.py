@@ -20,6 +20,8 @@ import socket
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -121,15 +123,23 @@ def tokenized(
     if num_proc == 1:
         yield from map(tokenizer, batches)
         return
-    # fork hands every worker the loaded tokenizer; the window keeps memory at a few batches.
-    with multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (tokenizer,)) as pool:
+    # fork hands every worker the loaded tokenizer; the window keeps memory at a few batches. An
+    # executor (unlike multiprocessing.Pool) notices a worker that died and fails instead of hanging.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         pending: deque = deque()
-        for batch in batches:
-            pending.append(pool.apply_async(_tokenize_in_worker, (batch,)))
-            if len(pending) >= 2 * num_proc:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for batch in batches:
+                pending.append(pool.submit(_tokenize_in_worker, batch))
+                if len(pending) >= 2 * num_proc:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool:
+            raise PrepareError(
+                "a tokenizer process died (killed, or out of memory?); nothing was written. "
+                "Run again, with a smaller --num-proc if memory is short"
+            ) from None
 
 
 def tokenizer_identity(tokenizer: str) -> list[str]:

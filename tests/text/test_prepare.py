@@ -318,6 +318,22 @@ def test_a_killed_run_leaves_no_output_and_the_next_run_finishes(tmp_path: Path,
     assert meta.num_documents == len(DOCS) * 1500 and not list(tmp_path.glob(".out.partial-*"))
 
 
+def _die(texts: list[str]) -> None:
+    os._exit(9)  # a worker killed mid-batch, as the OOM killer would
+
+
+def test_a_tokenizer_process_that_dies_fails_the_run_instead_of_hanging(
+    tmp_path: Path, tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datamodules.text.prepare as prepare_module
+
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS * 50))
+    monkeypatch.setattr(prepare_module, "_tokenize_in_worker", _die)
+    with pytest.raises(PrepareError, match="a tokenizer process died"):
+        prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer, num_proc=2)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
 # Parts
 
 
