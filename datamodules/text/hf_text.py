@@ -20,13 +20,11 @@ import numpy as np
 from datamodules.plan.datamodule import PlanDataModule, require_int
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
-from datamodules.text.prepare_inputs import DatasetCorpus
+from datamodules.text.prepare_inputs import SAVED_DATASET_MARKERS, DatasetCorpus
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.token_shard_source import split_windows
 from datamodules.text.token_shards import TokenShards
 from datamodules.text.token_windows import TokenWindows
-
-_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 
 
 @dataclass
@@ -76,7 +74,7 @@ class HFTextSource(SourceSpec):
             require_int("num_proc", self.num_proc, 1)
 
     def _corpus(self, split: str) -> DatasetCorpus:
-        saved = Path(self.path).is_dir() and any((Path(self.path) / m).exists() for m in _SAVED_DATASET_MARKERS)
+        saved = Path(self.path).is_dir() and any((Path(self.path) / m).exists() for m in SAVED_DATASET_MARKERS)
         files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files
         return DatasetCorpus(self.path, split, saved, self.name, files, tuple(sorted(self.load_kwargs.items())))
 

@@ -25,7 +25,7 @@ JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")  # one document per record
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
 _KINDS = {**dict.fromkeys(TEXT_SUFFIXES, "text"), **dict.fromkeys(JSON_SUFFIXES, "json"), ".parquet": "parquet"}
-_SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 # owner/name or name, as the Hub spells them; anything else is a local path.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 BATCH_DOCUMENTS = 1024
@@ -349,7 +349,7 @@ def resolve_inputs(inputs: list[str], split: str = "train", glob: str | None = N
     files: list[InputFile] = []
     for value in map(str, inputs):
         path = Path(value).expanduser()
-        if path.is_dir() and any((path / m).exists() for m in _SAVED_DATASET_MARKERS):
+        if path.is_dir() and any((path / m).exists() for m in SAVED_DATASET_MARKERS):
             datasets_named.append(DatasetCorpus(str(path), split, saved=True))
         elif path.is_dir():
             files += _directory_files(path, glob)
