@@ -38,11 +38,11 @@ def loss_curve(log_dir: str) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/token_shards.yaml")
-    parser.add_argument("overrides", nargs="*", help="extra LightningCLI arguments, e.g. --trainer.max_steps=50")
-    args = parser.parse_args()
+    parser.epilog = "Other arguments go to LightningCLI, e.g. --trainer.max_steps=50."
+    args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     build_shards(WORKDIR)
-    cli = cli_main(["--config", args.config, *args.overrides], run=False)
+    cli = cli_main(["--config", args.config, *overrides], run=False)
     trainer, dm = cli.trainer, cli.datamodule
     started = time.perf_counter()
     trainer.fit(cli.model, datamodule=dm)
