@@ -35,14 +35,20 @@ def loss_curve(log_dir: str) -> list[float]:
         return [float(row["train_loss"]) for row in csv.DictReader(f) if row.get("train_loss")]
 
 
-def main() -> None:
+def cli_arguments(argv: list[str] | None = None) -> list[str]:
+    """LightningCLI's arguments: ``--config`` (default: the token-shard job) and any others as given."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="configs/token_shards.yaml")
     parser.epilog = "Other arguments go to LightningCLI, e.g. --trainer.max_steps=50."
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
+    return ["--config", args.config, *overrides]
+
+
+def main() -> None:
+    arguments = cli_arguments()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     build_shards(WORKDIR)
-    cli = cli_main(["--config", args.config, *overrides], run=False)
+    cli = cli_main(arguments, run=False)
     trainer, dm = cli.trainer, cli.datamodule
     started = time.perf_counter()
     trainer.fit(cli.model, datamodule=dm)

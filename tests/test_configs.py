@@ -76,3 +76,14 @@ def test_the_cli_shows_what_the_data_is_at_the_start_of_fit(tmp_path: Path) -> N
         "INFO datamodules.plan.datamodule: TokenShardDataModule source 'train': 247 samples (3,952 tokens)"
         in done.stderr
     )
+
+
+def test_the_quickstart_passes_extra_arguments_to_lightning_cli() -> None:
+    from examples.quickstart import cli_arguments
+
+    assert cli_arguments(["--config", "configs/hf_text.yaml", "--trainer.max_steps=50"]) == [
+        "--config",
+        "configs/hf_text.yaml",
+        "--trainer.max_steps=50",
+    ]
+    assert cli_arguments([]) == ["--config", "configs/token_shards.yaml"]
