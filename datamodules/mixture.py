@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.datamodule import PlanDataModule, require_int
+from datamodules.plan.arguments import require_int
+from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import Source, SourceSpec
 from datamodules.plan.sample_plan import SamplePlan, Segment, largest_remainder_counts
 
@@ -191,7 +192,7 @@ class MixtureDataModule(PlanDataModule):
         return largest_remainder_counts(mixture_probabilities(self.weights_at(step), self.temperature), block_size)
 
     def build_plan(self, position: int, step: int) -> SamplePlan:
-        block = self.batch_size * self.dp_size * self.accumulate_grad_batches
+        block = self.global_batch_size
         # The schedule already trained is kept verbatim (it may have had another block size); from
         # the resume position on, phases map to positions with this run's global batch size.
         segments = [s for s in self._saved_segments if s.first_position < position]

@@ -12,6 +12,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules.text.shard_writer import ShardWriter
+from datamodules.text.token_shards import TokenShards
 
 
 def make_token_shards(
@@ -35,6 +36,13 @@ def make_token_shards(
     metadata.max_token_id = first_value + num_tokens - 1
     metadata.write(directory)
     return directory
+
+
+def all_tokens(shards: TokenShards) -> np.ndarray:
+    """Every token of a shard stream, in order, as int64."""
+    tokens = np.empty(shards.num_tokens, dtype=np.int64)
+    shards.read_into(0, tokens)
+    return tokens
 
 
 def quiet_trainer(**kwargs: object) -> Trainer:

@@ -20,20 +20,13 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
+from datamodules.plan.arguments import require_int
 from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
 
 log = logging.getLogger(__name__)
-
-
-def require_int(name: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer ``>= minimum``; a float such as ``64.0`` is refused, not truncated."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return value
 
 
 class PlanDataModule(LightningDataModule):

@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.datamodule import PlanDataModule, require_int
+from datamodules.plan.arguments import require_int
+from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
-from datamodules.text.prepare_inputs import SAVED_DATASET_MARKERS, DatasetCorpus
+from datamodules.text.prepare_inputs import DatasetCorpus, is_saved_dataset
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.token_shard_source import split_windows
 from datamodules.text.token_shards import TokenShards
@@ -74,9 +75,9 @@ class HFTextSource(SourceSpec):
             require_int("num_proc", self.num_proc, 1)
 
     def _corpus(self, split: str) -> DatasetCorpus:
-        saved = Path(self.path).is_dir() and any((Path(self.path) / m).exists() for m in SAVED_DATASET_MARKERS)
         files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files
-        return DatasetCorpus(self.path, split, saved, self.name, files, tuple(sorted(self.load_kwargs.items())))
+        load_kwargs = tuple(sorted(self.load_kwargs.items()))
+        return DatasetCorpus(self.path, split, is_saved_dataset(self.path), self.name, files, load_kwargs)
 
     def cache_path(self, split: str) -> Path:
         """The cache folder of ``split``: named for the dataset, keyed by everything behind its tokens."""

@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from datamodules.plan.arguments import require_int
 from datamodules.text.prepare_inputs import (
     BadRows,
     Corpus,
     PrepareError,
     document_batches,
+    file_stamp,
     looks_like_hub_name,
     resolve_inputs,
 )
@@ -56,6 +58,9 @@ class DocumentTokenizer:
 
     def __init__(self, tokenizer: str, add_bos: bool = False, separator: str = "eos") -> None:
         from transformers import AutoTokenizer
+
+        # Every process tokenizes on one thread: the number of processes is the one knob of parallelism.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
@@ -147,10 +152,7 @@ def tokenizer_identity(tokenizer: str) -> list[str]:
     path = Path(tokenizer).expanduser()
     if path.exists():
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        return [
-            f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-            for p in files
-        ]
+        return [file_stamp(p, str(p.relative_to(path)) if path.is_dir() else p.name) for p in files]
     if not looks_like_hub_name(tokenizer):
         raise PrepareError(f"tokenizer path {tokenizer!r} does not exist")
     return [f"hub:{tokenizer}"]
@@ -173,15 +175,15 @@ def _check_output(output: Path, fingerprint: str, names: str, overwrite: bool) -
                 f"{output} already holds shards of other inputs or options (tokenizer {existing.tokenizer!r}, "
                 f"{existing.num_documents} documents); pass --overwrite to replace them, or choose another --output"
             )
-    elif output.is_dir() and any(not p.name.startswith(".") for p in output.iterdir()) and not overwrite:
+    elif not overwrite and output.is_dir():
+        # Hidden entries are runs' temporary folders, not someone's data.
         held = sorted(p.name for p in output.iterdir() if not p.name.startswith("."))
-        if any(name.startswith("part-") for name in held):
-            what = "prepared parts"
-        else:
-            what = f"files that are not a finished prepare output ({held[:3]})"
-        raise PrepareError(
-            f"{output} already holds {what}; pass --overwrite to replace them, or choose another --output"
-        )
+        if held:
+            parts = any(name.startswith("part-") for name in held)
+            what = "prepared parts" if parts else f"files that are not a finished prepare output ({held[:3]})"
+            raise PrepareError(
+                f"{output} already holds {what}; pass --overwrite to replace them, or choose another --output"
+            )
     return None
 
 
@@ -235,9 +237,8 @@ def prepare(
     options is refused unless ``overwrite``.
     """
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
-    for name, value, low in (("num_proc", num_proc, 1), ("shard_tokens", shard_tokens, 1), ("num_parts", num_parts, 1)):
-        if not isinstance(value, int) or value < low:
-            raise PrepareError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name, value in (("num_proc", num_proc), ("shard_tokens", shard_tokens), ("num_parts", num_parts)):
+        require_int(name, value, 1, error=PrepareError)
     if not 0 <= part_index < num_parts:
         raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
     bad_rows = BadRows(on_bad_row)
@@ -258,8 +259,6 @@ def prepare(
         log.info("%s is up to date (%d tokens); nothing to do", output, existing.num_tokens)
         return existing
 
-    # Every process tokenizes on one thread: --num-proc is the one knob of parallelism.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos, separator=separator)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = _partial_directory(output)
@@ -282,7 +281,6 @@ def tokenize_to_memory(
     corpus: Corpus, tokenizer: str, text_field: str = "text", add_bos: bool = False
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """``(tokens, document_starts, vocabulary)`` of a small corpus (an evaluation set), in this process."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos)
     parts = list(tokenized(document_batches(corpus, text_field, BadRows()), document_tokenizer, num_proc=1))
     if not parts:
@@ -295,7 +293,7 @@ def tokenize_to_memory(
 
 
 def _write(
-    corpus: Any,
+    corpus: Corpus,
     text_field: str,
     bad_rows: BadRows,
     tokenizer: DocumentTokenizer,

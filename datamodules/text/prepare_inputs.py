@@ -11,7 +11,7 @@ import io
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from glob import glob as expand_glob
 from itertools import chain
@@ -40,6 +40,12 @@ class PrepareError(ValueError):
 def accepted_suffixes() -> str:
     plain = ", ".join(_KINDS)
     return f"{plain} (each also compressed: {', '.join(COMPRESSIONS)})"
+
+
+def is_saved_dataset(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
+    path = Path(path)
+    return path.is_dir() and any((path / marker).exists() for marker in SAVED_DATASET_MARKERS)
 
 
 def looks_like_hub_name(value: str) -> bool:
@@ -88,6 +94,24 @@ class BadRows:
             self.examples.append(message)
         return None
 
+    def texts(self, values: Iterable[tuple[str, Any]], text_field: str) -> Iterator[str]:
+        """The strings among ``(where, value)`` pairs; every other value raised or counted (``text``)."""
+        for where, value in values:
+            text = self.text(value, where, text_field)
+            if text is not None:
+                yield text
+
+
+def file_stamp(path: Path, name: str | None = None) -> str:
+    """``name:size:mtime`` of a file (``name`` defaults to its path): what says it is unchanged."""
+    stat = path.stat()
+    return f"{path if name is None else name}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _rows(path: str, batches: Iterable[list[Any]]) -> Iterator[tuple[str, Any]]:
+    """``(where, value)`` of a column read in batches, rows numbered from 0 across batches."""
+    return ((f"{path} row {row}", value) for row, value in enumerate(chain.from_iterable(batches)))
+
 
 _MISSING = object()
 
@@ -121,8 +145,7 @@ class InputFile:
     compression: str | None
 
     def identity(self) -> str:
-        stat = Path(self.path).stat()
-        return f"{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
+        return file_stamp(Path(self.path))
 
     def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
         if self.kind == "text":
@@ -156,11 +179,8 @@ class InputFile:
 
     @staticmethod
     def _records(records: Iterator[tuple[str, Any]], text_field: str, bad_rows: BadRows) -> Iterator[str]:
-        for where, record in records:
-            value = record.get(text_field, _MISSING) if isinstance(record, dict) else _MISSING
-            text = bad_rows.text(value, where, text_field)
-            if text is not None:
-                yield text
+        values = ((where, r.get(text_field, _MISSING) if isinstance(r, dict) else _MISSING) for where, r in records)
+        return bad_rows.texts(values, text_field)
 
     def _parquet_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
         import pyarrow.parquet as pq
@@ -171,13 +191,8 @@ class InputFile:
                 raise PrepareError(
                     f"{self.path} has no column {text_field!r}; columns are {parquet.schema_arrow.names}"
                 )
-            row = 0
-            for batch in parquet.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[text_field]):
-                for value in batch.column(0).to_pylist():
-                    text = bad_rows.text(value, f"{self.path} row {row}", text_field)
-                    if text is not None:
-                        yield text
-                    row += 1
+            batches = parquet.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[text_field])
+            yield from bad_rows.texts(_rows(self.path, (b.column(0).to_pylist() for b in batches)), text_field)
 
 
 @dataclass(frozen=True)
@@ -256,8 +271,7 @@ class DatasetCorpus:
 
     def identity(self) -> list[str]:
         # Local files by size and time; a hub dataset by its name (its revision is not checked).
-        stats = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in self._local_files()]
-        return [*self.names(), *stats]
+        return [*self.names(), *map(file_stamp, self._local_files())]
 
     def part(self, index: int, num_parts: int) -> DatasetCorpus:
         return replace(self, part_index=index, num_parts=num_parts)
@@ -298,13 +312,8 @@ class DatasetCorpus:
         columns = dataset.column_names
         if columns is not None and text_field not in columns:
             raise PrepareError(f"{self.path} has no column {text_field!r}; columns are {columns}")
-        row = 0
-        for batch in dataset.select_columns([text_field]).iter(batch_size=BATCH_DOCUMENTS):
-            for value in batch[text_field]:
-                text = bad_rows.text(value, f"{self.path} row {row}", text_field)
-                if text is not None:
-                    yield text
-                row += 1
+        batches = dataset.select_columns([text_field]).iter(batch_size=BATCH_DOCUMENTS)
+        yield from bad_rows.texts(_rows(self.path, (b[text_field] for b in batches)), text_field)
 
 
 Corpus = FileCorpus | DatasetCorpus
@@ -349,7 +358,7 @@ def resolve_inputs(inputs: list[str], split: str = "train", glob: str | None = N
     files: list[InputFile] = []
     for value in map(str, inputs):
         path = Path(value).expanduser()
-        if path.is_dir() and any((path / m).exists() for m in SAVED_DATASET_MARKERS):
+        if is_saved_dataset(path):
             datasets_named.append(DatasetCorpus(str(path), split, saved=True))
         elif path.is_dir():
             files += _directory_files(path, glob)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datamodules.plan.datamodule import PlanDataModule, require_int
+from datamodules.plan.arguments import require_int
+from datamodules.plan.datamodule import PlanDataModule
 from datamodules.text.token_shard_source import TokenShardSource
 from datamodules.text.token_windows import TokenWindows
 

@@ -79,8 +79,8 @@ def _matching(directory: Path, suffixes: tuple[str, ...], file_pattern: str | No
     return sorted(p for p in paths if p.is_file() and p.suffix in suffixes)
 
 
-def _prepared_layout(directory: Path) -> _Layout:
-    metadata = ShardMetadata.read(directory)
+def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> _Layout:
+    metadata = metadata or ShardMetadata.read(directory)
     dtype = np.dtype(metadata.dtype)
     shards = []
     for info in metadata.shards:
@@ -153,9 +153,9 @@ def _npy_layout(directory: Path, file_pattern: str | None) -> _Layout:
 def _parts_layout(directory: Path, parts: list[Path]) -> _Layout:
     layouts, indices = [], []
     for part in parts:
-        layouts.append(_prepared_layout(part))
-        extra = ShardMetadata.read(part).extra
-        indices.append((extra.get("part_index"), extra.get("num_parts")))
+        metadata = ShardMetadata.read(part)
+        layouts.append(_prepared_layout(part, metadata))
+        indices.append((metadata.extra.get("part_index"), metadata.extra.get("num_parts")))
     totals = {n for _, n in indices}
     if len(totals) != 1 or None in totals:
         raise ValueError(f"the parts in {directory} disagree on how many parts there are: {sorted(map(str, totals))}")

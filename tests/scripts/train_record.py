@@ -31,7 +31,6 @@ from pathlib import Path
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_TESTS.parent))
 
-import numpy as np  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
@@ -44,17 +43,12 @@ from datamodules import (  # noqa: E402
     TokenShardSource,
 )
 from datamodules.plan.datamodule import PlanDataModule  # noqa: E402
-from tests.support import RecordingModel  # noqa: E402
+from tests.support import RecordingModel, all_tokens  # noqa: E402
 
 
 def validation_tokens(datamodule: PlanDataModule) -> list[list[int]]:
     """Every validation source's token stream, as this rank holds it."""
-    streams = []
-    for _, val in datamodule._vals:
-        tokens = np.empty(val.shards.num_tokens, dtype=np.int64)
-        val.shards.read_into(0, tokens)
-        streams.append(tokens.tolist())
-    return streams
+    return [all_tokens(val.shards).tolist() for _, val in datamodule._vals]
 
 
 class TokenizationCounter(logging.Handler):

@@ -16,7 +16,7 @@ from datamodules.plan.sample_plan import largest_remainder_counts
 from datamodules.text.prepare import prepare
 from datamodules.text.prepare_inputs import PrepareError
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, quiet_trainer
+from tests.support import RecordingModel, all_tokens, quiet_trainer
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 7 + 1) for i in range(60)]
 SEQ_LEN, BATCH = 8, 4
@@ -43,10 +43,7 @@ def make_dm(tmp_path: Path, tokenizer: str, **kwargs) -> HFTextDataModule:
 
 
 def stream(directory: Path) -> list[int]:
-    shards = TokenShards(directory)
-    tokens = np.empty(shards.num_tokens, dtype=np.int64)
-    shards.read_into(0, tokens)
-    return tokens.tolist()
+    return all_tokens(TokenShards(directory)).tolist()
 
 
 def test_eager_tokens_equal_the_prepare_command_on_the_same_documents(tmp_path: Path, tokenizer: str) -> None:
@@ -114,9 +111,7 @@ def test_a_validation_split_is_tokenized_in_setup_and_evaluated_once(tmp_path: P
     dm.setup("fit")
     prepare([files["test"]], tmp_path / "reference", tokenizer, num_proc=1)
     (_, val), reference = dm._vals[0], stream(tmp_path / "reference")
-    tokens = np.empty(val.shards.num_tokens, dtype=np.int64)
-    val.shards.read_into(0, tokens)
-    assert tokens.tolist() == reference
+    assert all_tokens(val.shards).tolist() == reference
     rows = sum(int((b["labels"] != -100).any(dim=1).sum()) for b in dm.val_dataloader())
     assert rows == (len(reference) - 1) // SEQ_LEN
 

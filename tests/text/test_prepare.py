@@ -23,6 +23,7 @@ from datamodules.text.prepare import main, prepare
 from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.shard_metadata import smallest_token_dtype
 from examples.default_corpus import train_tokenizer
+from tests.support import all_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 5 + 1) for i in range(40)]
@@ -38,9 +39,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def stream(output: Path) -> tuple[np.ndarray, list[int]]:
     shards = TokenShards(output)
-    tokens = np.empty(shards.num_tokens, dtype=np.int64)
-    shards.read_into(0, tokens)
-    return tokens, shards.document_starts.tolist()
+    return all_tokens(shards), shards.document_starts.tolist()
 
 
 def decoded_documents(output: Path, tokenizer: str, separator: int | None = None) -> list[str]:
