@@ -25,6 +25,7 @@ from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source, SourceS
 from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
+from datamodules.plan.stream import Stream, StreamTraining
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class PlanDataModule(LightningDataModule):
         self._anchor_batches: int | None = None
         self._saved_segments: list[Segment] = []
         self._pending_state: dict[str, Any] | None = None
+        self._stream: StreamTraining | None = None
 
     # A resume off the global-batch grid pads its epoch's last batch so the epoch ends where the
     # plan's does. A mixture keeps whole batches instead: each global batch is one block of exact counts.
@@ -86,6 +88,11 @@ class PlanDataModule(LightningDataModule):
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
         raise NotImplementedError
+
+    def build_stream(self) -> Stream | None:
+        """The training stream of a source read in order rather than by plan position; ``None``
+        (default) for plan-driven training. ``build_sources`` then gives validation only."""
+        return None
 
     def on_rank_zero(self, make: Callable[[], Any]) -> Any:
         """``make()`` on global rank 0, its value broadcast to every rank (see ``computed_on_rank_zero``)."""
@@ -108,8 +115,17 @@ class PlanDataModule(LightningDataModule):
         """The plan for a run whose next position is ``position`` at optimizer step ``step``."""
         return SamplePlan(tuple(self.sources), seed=self.seed)
 
+    @property
+    def _built(self) -> bool:
+        return self._train is not None or self._stream is not None
+
     def setup(self, stage: str) -> None:
-        if self._train is None:
+        if not self._built:
+            stream = self.build_stream()
+            if stream is not None:
+                self._stream = StreamTraining(stream, type(self).__name__)
+                self._vals = [(name, val) for name, _, val in self.build_sources() if val is not None]
+        if not self._built:
             parts = self.build_sources()
             trains = [train for _, train, _ in parts]
             self._train = trains[0] if len(trains) == 1 else type(trains[0]).join(trains)
@@ -119,7 +135,8 @@ class PlanDataModule(LightningDataModule):
                 for name, train, _ in parts
             ]
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
-        self.check_global_batch()
+        if self._stream is None:
+            self.check_global_batch()
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
 
@@ -145,8 +162,8 @@ class PlanDataModule(LightningDataModule):
                         "a batch; use a smaller batch or more data"
                     )
 
-    def _require_setup(self) -> Source:
-        if self._train is None:
+    def _require_setup(self) -> Source | None:
+        if not self._built:
             raise RuntimeError(f"call {type(self).__name__}.setup('fit') before asking for a dataloader")
         return self._train
 
@@ -158,6 +175,8 @@ class PlanDataModule(LightningDataModule):
         fit_loop = getattr(self.trainer, "fit_loop", None)
         if fit_loop is not None:
             return fit_loop.epoch_loop.batch_progress.total.processed
+        if self._stream is not None:
+            return self._stream.cursor.batches
         return self._sampler.batches_yielded if self._sampler is not None else 0
 
     @property
@@ -175,6 +194,8 @@ class PlanDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         train = self._require_setup()
+        if self._stream is not None:
+            return self._stream_loader()
         self._anchor_positions, self._anchor_batches = self.positions_consumed, None
         step = getattr(self.trainer, "global_step", 0)
         self.plan = self.build_plan(self._anchor_positions, step)
@@ -216,14 +237,44 @@ class PlanDataModule(LightningDataModule):
             for name in ("ready", "started", "processed", "completed"):
                 setattr(current, name, getattr(current, name) + shift)
 
-    def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
+    # Batches per epoch of a stream (``None``: endless, so the Trainer needs max_steps).
+    stream_steps_per_epoch: int | None = None
+
+    def _stream_loader(self) -> DataLoader:
+        steps = self.stream_steps_per_epoch
+        max_steps = getattr(self.trainer, "max_steps", -1)
+        if steps is None and self.trainer is not None and not (max_steps and max_steps > 0):
+            raise ValueError(
+                f"{type(self).__name__}: a stream has no length until it is read, so training on it needs "
+                "Trainer(max_steps=N), or steps_per_epoch=N for epochs of N optimizer steps"
+            )
+        epoch_batches = None if steps is None else steps * self.accumulate_grad_batches
+
+        def remaining() -> int | None:
+            # A resumed epoch has done some of its batches already (the loop's own count).
+            if epoch_batches is None:
+                return None
+            loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+            done = loop.batch_progress.current.processed if loop is not None else 0
+            return epoch_batches - min(done, epoch_batches)
+
+        loader = self._stream.loader(
+            self.dp_rank, self.dp_size, self.num_workers, self._batches_trained(), remaining, **self._loader_options()
+        )
+        loader.epoch_length = epoch_batches
+        return loader
+
+    def _loader_options(self) -> dict[str, Any]:
         pin = self.pin_memory
         if pin is None:
             pin = isinstance(getattr(self.trainer, "accelerator", None), CUDAAccelerator)
         elif pin and not torch.cuda.is_available():
             rank_zero_warn(f"{type(self).__name__}: pin_memory=True, but no CUDA device is available; not pinning")
             pin = False
-        return PlanDataLoader(dataset, sampler, self.num_workers, pin_memory=pin, prefetch_factor=self.prefetch_factor)
+        return {"pin_memory": pin, "prefetch_factor": self.prefetch_factor}
+
+    def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
+        return PlanDataLoader(dataset, sampler, self.num_workers, **self._loader_options())
 
     def _log_summary(self, steps_per_epoch: int) -> None:
         """What the data is, once per fit on rank 0: samples, tokens, steps per epoch, passes implied."""
@@ -272,6 +323,8 @@ class PlanDataModule(LightningDataModule):
         return hashlib.blake2b(json.dumps(self.plan_identity(), sort_keys=True).encode(), digest_size=16).hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
+        if self._stream is not None:
+            return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, self._batches_trained())}
         state: dict[str, Any] = {"positions_consumed": self.positions_consumed}
         if self.sources is not None:
             state.update(plan_fingerprint=self._fingerprint(), plan=self.plan_identity())
@@ -280,10 +333,16 @@ class PlanDataModule(LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.sources is None:
+        if not self._built:
             self._pending_state = state_dict
             return
         self._pending_state = None
+        if self._stream is not None or "stream" in state_dict:
+            if self._stream is None or "stream" not in state_dict:
+                kinds = ("a stream", "plan positions") if self._stream is not None else ("plan positions", "a stream")
+                raise ValueError(f"{type(self).__name__} reads {kinds[0]}, but the checkpoint holds {kinds[1]}")
+            self._stream.load_state_dict(state_dict["stream"], self.allow_plan_change)
+            return
         saved = state_dict.get("plan_fingerprint")
         if saved is not None and saved != self._fingerprint():
             changes = describe_changes(state_dict.get("plan", {}), self.plan_identity()) or ["plan definition"]

@@ -83,7 +83,7 @@ class PlanDataset(Dataset):
         return {**self.source.fetch(indices), "valid": valid}
 
 
-def _keep(raw: Any) -> Any:
+def keep_raw(raw: Any) -> Any:
     return raw
 
 
@@ -109,7 +109,7 @@ class PlanDataLoader(DataLoader):
             batch_size=_GROUP if num_workers > 0 else None,
             sampler=sampler,
             num_workers=num_workers,
-            collate_fn=_keep,
+            collate_fn=keep_raw,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor,
         )

@@ -20,9 +20,11 @@ import numpy as np
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.text.document_units import document_units
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
 from datamodules.text.prepare_inputs import DatasetCorpus, is_saved_dataset
 from datamodules.text.shard_metadata import METADATA_FILE
+from datamodules.text.text_stream import TextStream
 from datamodules.text.token_shard_source import split_windows
 from datamodules.text.token_shards import TokenShards
 from datamodules.text.token_windows import TokenWindows
@@ -108,18 +110,39 @@ class HFTextSource(SourceSpec):
     def _evaluation_set(self) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
         return tokenize_to_memory(self._corpus(self.val_split), self.tokenizer, self.text_field, self.add_bos)
 
+    def _evaluation_shards(self, on_rank_zero: RankZero | None) -> TokenShards | None:
+        if self.val_split is None:
+            return None
+        tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(self._evaluation_set)
+        return TokenShards.from_tokens(tokens, starts, f"{self.path}:{self.val_split}", vocabulary)
+
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
     ) -> tuple[TokenWindows, TokenWindows | None]:
-        val = None
-        if self.val_split is not None:
-            tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(self._evaluation_set)
-            val = TokenShards.from_tokens(tokens, starts, f"{self.path}:{self.val_split}", vocabulary)
+        val = self._evaluation_shards(on_rank_zero)
         return split_windows(self._open(self.split), val, self.val_fraction, seq_len, pack_sequences)
+
+    def stream(self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, shuffle_rows: int) -> TextStream:
+        """The training split streamed: read, tokenized and packed as training goes (no cache)."""
+        if self.val_fraction > 0:
+            raise ValueError(
+                f"val_fraction={self.val_fraction} needs the tokenized cache (streaming=False); "
+                "a stream validates on val_split"
+            )
+        units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
+        return TextStream(units, self.tokenizer, seq_len, batch_size, pack_sequences, seed, self.add_bos, shuffle_rows)
+
+    def evaluation_windows(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None
+    ) -> TokenWindows | None:
+        """Windows of ``val_split``, tokenized on global rank 0 and broadcast; ``None`` without one."""
+        val = self._evaluation_shards(on_rank_zero)
+        return None if val is None else TokenWindows(val, seq_len, pack_sequences=pack_sequences)
 
 
 class HFTextDataModule(PlanDataModule):
-    """Trains on a HuggingFace text dataset, tokenized once in ``prepare_data`` into a token cache.
+    """Trains on a HuggingFace text dataset, tokenized once in ``prepare_data`` into a token cache,
+    or (``streaming=True``) read, tokenized and packed as training goes.
 
     Args:
         path, tokenizer, name, split, data_files, text_field, val_split, val_fraction, cache_dir,
@@ -128,6 +151,12 @@ class HFTextDataModule(PlanDataModule):
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
         prepare_data_per_node: tokenize once per node (default; each node's ``cache_dir``), or
             once in all (``False``; ``cache_dir`` on a filesystem every node shares).
+        streaming: no cache: every (rank, DataLoader worker) reads its own units of the dataset
+            (parquet row groups, ``save_to_disk`` row ranges, or stream shards), tokenizes and packs
+            them on the fly (``TextStream``). Resume is token-exact on the same number of ranks and
+            workers, and refused on another. Training needs ``max_steps`` or ``steps_per_epoch``.
+        shuffle_rows: with ``streaming``, rows read in one seeded order within a unit.
+        steps_per_epoch: with ``streaming``, optimizer steps per epoch (default: one endless epoch).
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
 
     Example::
@@ -154,6 +183,9 @@ class HFTextDataModule(PlanDataModule):
         load_kwargs: dict[str, Any] | None = None,
         pack_sequences: bool = False,
         prepare_data_per_node: bool = True,
+        streaming: bool = False,
+        shuffle_rows: int = 10_000,
+        steps_per_epoch: int | None = None,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -171,6 +203,13 @@ class HFTextDataModule(PlanDataModule):
         self.seq_len = require_int("seq_len", seq_len, 1)
         self.pack_sequences = pack_sequences
         self.prepare_data_per_node = prepare_data_per_node
+        self.streaming = streaming
+        self.shuffle_rows = require_int("shuffle_rows", shuffle_rows, 1)
+        if steps_per_epoch is not None and not streaming:
+            raise ValueError(f"steps_per_epoch={steps_per_epoch} is for streaming=True; a cache's epoch is one pass")
+        self.stream_steps_per_epoch = (
+            None if steps_per_epoch is None else require_int("steps_per_epoch", steps_per_epoch, 1)
+        )
         self.source = HFTextSource(
             path,
             tokenizer,
@@ -188,7 +227,16 @@ class HFTextDataModule(PlanDataModule):
         self.save_hyperparameters()
 
     def source_specs(self) -> list[HFTextSource]:
-        return [self.source]
+        return [] if self.streaming else [self.source]
 
-    def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
+    def build_stream(self) -> TextStream | None:
+        if not self.streaming:
+            return None
+        return self.source.stream(self.seq_len, self.batch_size, self.pack_sequences, self.seed, self.shuffle_rows)
+
+    def build_sources(self) -> list[tuple[str, TokenWindows | None, TokenWindows | None]]:
+        if self.streaming:
+            return [
+                ("train", None, self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.on_rank_zero))
+            ]
         return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero))]

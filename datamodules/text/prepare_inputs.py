@@ -259,11 +259,15 @@ class DatasetCorpus:
     def describe(self) -> str:
         return f"split {self.split!r} of {self.path!r}" + (f" ({self.data_files})" if self.data_files else "")
 
-    def _local_files(self) -> list[Path]:
+    def local_files(self, split_only: bool = False) -> list[Path]:
+        """The local files behind the dataset (with ``split_only``, those ``data_files`` gives this split)."""
         if self.saved or Path(self.path).is_dir():
             return sorted(p for p in Path(self.path).rglob("*") if p.is_file())
         files = self.data_files
-        values = files.values() if isinstance(files, dict) else [files]
+        if isinstance(files, dict):
+            values = [files.get(self.split, ())] if split_only else files.values()
+        else:
+            values = [files]
         patterns = [p for v in values for p in ([v] if isinstance(v, str) else list(v or []))]
         return sorted(
             {Path(p) for pattern in patterns for p in expand_glob(pattern, recursive=True) if Path(p).is_file()}
@@ -271,12 +275,12 @@ class DatasetCorpus:
 
     def identity(self) -> list[str]:
         # Local files by size and time; a hub dataset by its name (its revision is not checked).
-        return [*self.names(), *map(file_stamp, self._local_files())]
+        return [*self.names(), *map(file_stamp, self.local_files())]
 
     def part(self, index: int, num_parts: int) -> DatasetCorpus:
         return replace(self, part_index=index, num_parts=num_parts)
 
-    def _load(self) -> Any:
+    def load(self) -> Any:
         import datasets
 
         if self.saved:
@@ -308,7 +312,7 @@ class DatasetCorpus:
         return loaded.shard(num_shards=self.num_parts, index=self.part_index) if self.num_parts > 1 else loaded
 
     def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
-        dataset = self._load()
+        dataset = self.load()
         columns = dataset.column_names
         if columns is not None and text_field not in columns:
             raise PrepareError(f"{self.path} has no column {text_field!r}; columns are {columns}")

@@ -112,21 +112,26 @@ class TokenWindows:
         return raw
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Tensors per the batch contract: int64 ``input_ids``/``labels`` (shifted), packing extras."""
-        tokens = raw["tokens"]
-        n, width = tokens.shape
-        # One fresh array per tensor (the consumer may keep a batch), each filled by a single cast.
-        input_ids = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
-        labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
-        batch = {"input_ids": input_ids, "labels": labels}
-        if "document_starts" in raw:
-            starts = torch.from_numpy(raw["document_starts"])
-            # The target at t is the first token of a new document: no loss across the boundary.
-            labels.masked_fill_(starts[:, 1:], IGNORE_INDEX)
-            segment = starts[:, :-1].clone()
-            segment[:, 0] = True
-            steps = torch.arange(width - 1).expand(n, -1)
-            last_start = torch.where(segment, steps, 0).cummax(dim=1).values
-            batch["position_ids"] = steps - last_start
-            batch["document_ids"] = segment.cumsum(dim=1) - 1
-        return batch
+        return windows_to_batch(raw)
+
+
+def windows_to_batch(raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Tensors per the batch contract from raw windows (``tokens`` ``[B, seq_len + 1]``, optional
+    ``document_starts``): int64 ``input_ids``/``labels`` (shifted), and the packing extras."""
+    tokens = raw["tokens"]
+    n, width = tokens.shape
+    # One fresh array per tensor (the consumer may keep a batch), each filled by a single cast.
+    input_ids = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
+    labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
+    batch = {"input_ids": input_ids, "labels": labels}
+    if "document_starts" in raw:
+        starts = torch.from_numpy(raw["document_starts"])
+        # The target at t is the first token of a new document: no loss across the boundary.
+        labels.masked_fill_(starts[:, 1:], IGNORE_INDEX)
+        segment = starts[:, :-1].clone()
+        segment[:, 0] = True
+        steps = torch.arange(width - 1).expand(n, -1)
+        last_start = torch.where(segment, steps, 0).cummax(dim=1).values
+        batch["position_ids"] = steps - last_start
+        batch["document_ids"] = segment.cumsum(dim=1) - 1
+    return batch

@@ -1,0 +1,232 @@
+"""Streams: training data read in order, not by plan position, by one reader per (rank, worker).
+
+A stream cannot seek to a global position, so it is cut among ``readers = ranks x workers``; each
+reader yields batches together with its state after each one (its cursor and partial buffers). The
+main process keeps, per reader, the state after the last batch the training loop has processed
+(counted by the loop, so prefetching never runs the state ahead), and a checkpoint gathers every
+rank's readers, since only rank 0 writes it. A resume gives each reader its state back and starts
+the DataLoader's round robin at the reader whose batch comes next: the batches are those of the
+uninterrupted run. Another number of ranks or workers would cut the stream differently, so it is
+refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from datamodules.plan.loader import keep_raw
+
+log = logging.getLogger(__name__)
+
+ReaderState = dict[str, Any]
+
+
+class Stream(ABC):
+    """A configured stream: its identity, its readers, and how a raw batch becomes tensors."""
+
+    @abstractmethod
+    def identity(self) -> dict[str, Any]:
+        """What fixes the stream's order (data, options, seed); a resume must match it."""
+
+    @abstractmethod
+    def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
+        """Endless ``(raw batch, state after it)`` of reader ``reader`` of ``num_readers``, from
+        ``state`` (``None``: the start)."""
+
+    @abstractmethod
+    def idle_readers(self, num_readers: int) -> list[int]:
+        """Readers given no data (the stream has fewer shards than readers)."""
+
+    @abstractmethod
+    def to_batch(self, raw: Any) -> dict[str, torch.Tensor]: ...
+
+
+class StreamDataset(IterableDataset):
+    """The readers of one rank: DataLoader worker ``w`` plays local reader ``(w + first) % workers``."""
+
+    def __init__(self, stream: Stream, rank: int, world: int, workers: int, states: dict[int, ReaderState], first: int):
+        self.stream, self.rank, self.world, self.workers = stream, rank, world, workers
+        self.states, self.first = states, first
+
+    def __iter__(self) -> Iterator[tuple[Any, int, ReaderState]]:
+        info = get_worker_info()
+        local = ((info.id if info is not None else 0) + self.first) % self.workers
+        reader = self.rank * self.workers + local
+        for raw, state in self.stream.read(reader, self.world * self.workers, self.states.get(reader)):
+            yield raw, reader, state
+
+
+class StreamCursor:
+    """Every local reader's state after each recent batch handed to training, by batch count."""
+
+    def __init__(self, batches: int = 0, states: dict[int, ReaderState] | None = None) -> None:
+        self.batches = batches  # batches handed out so far, over all restarts
+        self.saved = dict(states or {})
+        self._recent: dict[int, deque[tuple[int, ReaderState]]] = {}
+
+    def record(self, reader: int, state: ReaderState) -> None:
+        self.batches += 1
+        self._recent.setdefault(reader, deque(maxlen=16)).append((self.batches, state))
+
+    def states_at(self, batches: int) -> dict[int, ReaderState]:
+        """Each reader's state once ``batches`` batches have been trained."""
+        states = dict(self.saved)
+        for reader, recent in self._recent.items():
+            done = [state for count, state in recent if count <= batches]
+            if done:
+                states[reader] = done[-1]
+            elif recent and recent[0][0] <= batches:
+                raise RuntimeError(f"reader {reader}'s state at batch {batches} is no longer held")
+        return states
+
+
+class StreamLoader(DataLoader):
+    """Yields a stream's tensor batches, recording each batch's reader state in ``cursor``.
+
+    One iteration runs across epochs: each ``iter()`` continues where the last stopped, for
+    ``epoch_batches() `` batches (``None``: endless), so no batch a prefetcher pulled is lost.
+    """
+
+    def __init__(
+        self,
+        dataset: StreamDataset,
+        cursor: StreamCursor,
+        epoch_batches: Callable[[], int | None],
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        super().__init__(
+            dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_raw, prefetch_factor=prefetch_factor
+        )
+        self.cursor, self.epoch_batches, self.pin_batches = cursor, epoch_batches, pin_memory
+        self.epoch_length: int | None = None
+        self._raws: Iterator[tuple[Any, int, ReaderState]] | None = None
+
+    def __len__(self) -> int:
+        if self.epoch_length is None:
+            raise TypeError("an endless stream has no length")
+        return self.epoch_length
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._raws is None:
+            self._raws = super().__iter__()
+        remaining = self.epoch_batches()
+        to_batch = self.dataset.stream.to_batch
+        while remaining is None or remaining > 0:
+            raw, reader, state = next(self._raws)
+            self.cursor.record(reader, state)
+            batch = to_batch(raw)
+            yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_batches else batch
+            remaining = None if remaining is None else remaining - 1
+
+    # Resume state lives in the DataModule (reader states at the loop's batch count); these only tell
+    # Lightning that this loader resumes exactly, so it does not warn.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+def gathered(local: dict[int, ReaderState]) -> dict[int, ReaderState]:
+    """Every rank's reader states, on every rank (a collective when a process group runs)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(local)
+    parts: list[dict[int, ReaderState] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged: dict[int, ReaderState] = {}
+    for part in parts:
+        merged.update(part or {})  # tensor-parallel peers share a data-parallel rank: same readers
+    return merged
+
+
+class StreamTraining:
+    """The training side of a streamed source: its loader, its state and its resume.
+
+    Args:
+        stream: the stream.
+        owner: the DataModule's name, for messages.
+    """
+
+    def __init__(self, stream: Stream, owner: str) -> None:
+        self.stream, self.owner = stream, owner
+        self.cursor = StreamCursor()
+        self._restored: dict[str, Any] | None = None
+
+    def loader(
+        self,
+        rank: int,
+        world: int,
+        num_workers: int,
+        batches_trained: int,
+        epoch_batches: Callable[[], int | None],
+        **loader_kwargs: Any,
+    ) -> StreamLoader:
+        workers = max(1, num_workers)
+        self._check_readers(world, workers)
+        num_readers = world * workers
+        idle = set(self.stream.idle_readers(num_readers))
+        if idle and rank == 0:
+            names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
+            log.warning("%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names)
+        states = self.cursor.states_at(batches_trained)
+        self.cursor = StreamCursor(batches_trained, states)
+        # Batch b of this rank comes from its b-th active reader, round robin: start there.
+        active = [w for w in range(workers) if rank * workers + w not in idle]
+        if not active:
+            raise ValueError(
+                f"{self.owner}: rank {rank} has no stream shard to read ({num_readers} readers, "
+                f"{num_readers - len(idle)} shards); use fewer ranks or workers, or more files"
+            )
+        first = active[batches_trained % len(active)]
+        dataset = StreamDataset(self.stream, rank, world, workers, states, first)
+        return StreamLoader(dataset, self.cursor, epoch_batches, num_workers, **loader_kwargs)
+
+    def _check_readers(self, world: int, workers: int) -> None:
+        saved = self._restored
+        if saved is None or (saved["ranks"], saved["workers"]) == (world, workers):
+            return
+        raise ValueError(
+            f"{self.owner}: the checkpoint's stream was read by {saved['ranks']} ranks x {saved['workers']} workers, "
+            f"this run has {world} x {workers}. A stream is cut among its readers, so its resume is exact only "
+            f"with the same ones: resume on {saved['ranks']} data-parallel ranks with num_workers="
+            f"{saved['workers'] if saved['workers'] > 1 else 0}, or use the eager mode (streaming=False), whose "
+            "resume works on any number"
+        )
+
+    def state_dict(self, world: int, num_workers: int, batches_trained: int) -> dict[str, Any]:
+        """This stream's state at the loop's batch count, with every rank's readers (collective)."""
+        ranks, workers = world, max(1, num_workers)
+        states = gathered(self.cursor.states_at(batches_trained))
+        return {
+            "stream": self.stream.identity(),
+            "ranks": ranks,
+            "workers": workers,
+            "batches": batches_trained,
+            "readers": {int(k): v for k, v in sorted(states.items())},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], allow_change: bool) -> None:
+        if state.get("stream") != self.stream.identity():
+            message = f"{self.owner}: the stream differs from the checkpoint's (data, tokenizer, options or seed)"
+            if not allow_change:
+                raise ValueError(message + "; pass allow_plan_change=True to start the new stream from its beginning")
+            log.warning("%s; starting it from its beginning because allow_plan_change=True", message)
+            return
+        self._restored = state
+        self.cursor = StreamCursor(int(state["batches"]), {int(k): v for k, v in state["readers"].items()})
+
+
+def as_tensor(values: np.ndarray) -> torch.Tensor:
+    """An array for a checkpoint: a tensor (``torch.load(weights_only=True)`` reads it back)."""
+    return torch.from_numpy(np.ascontiguousarray(values))

@@ -1,0 +1,167 @@
+"""A text dataset streamed: tokenized as it is read and packed on the fly into training windows.
+
+Every pass orders the dataset's units (parquet row groups, ``save_to_disk`` row ranges, or stream
+shards) by a seeded permutation, and reader ``r`` of ``R`` reads units ``r, r + R, ...`` of that
+order, so each document is read by exactly one reader per pass. Inside a unit, every block of
+``shuffle_rows`` rows is read in a seeded order. A reader's documents, each ended by EOS, form one
+token stream cut into ``seq_len + 1``-token windows exactly as token shards are (window ``i``
+starts at token ``i * seq_len``), so batches follow the same contract as the token-shard windows.
+
+A reader's state is its cursor (pass, unit, block, next row) and the tokens it has read but not yet
+batched: resuming re-reads one block, however far into the stream the cursor is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.plan.permutation import mix64, permute, round_keys
+from datamodules.plan.stream import ReaderState, Stream, as_tensor
+from datamodules.text.document_units import DocumentUnits, check_texts
+from datamodules.text.prepare import DocumentTokenizer, tokenizer_identity
+from datamodules.text.token_windows import windows_to_batch
+
+log = logging.getLogger(__name__)
+
+_UNIT_ORDER = 0x554E4954  # keyed-permutation stream ids: the unit order of a pass,
+_ROW_ORDER = 0x524F5753  # and the row order of a block
+_TOKENIZE_ROWS = 256  # documents tokenized in one call
+_CURSOR = ("pass", "unit", "block", "row")
+
+
+class TextStream(Stream):
+    """Windows of ``seq_len + 1`` tokens, ``batch_size`` a batch, from a dataset's units.
+
+    Args:
+        units: the dataset's documents as units (``document_units``).
+        tokenizer: a ``transformers`` tokenizer name or path; EOS ends every document.
+        seq_len, batch_size: window length (plus one label token) and windows per batch.
+        pack_sequences: also return document boundaries (``position_ids``, ``document_ids``).
+        seed: the seed of the unit and row orders.
+        add_bos: start every document with the tokenizer's BOS token.
+        shuffle_rows: rows read in one seeded order (the shuffle's reach inside a unit).
+    """
+
+    def __init__(
+        self,
+        units: DocumentUnits,
+        tokenizer: str,
+        seq_len: int,
+        batch_size: int,
+        pack_sequences: bool = False,
+        seed: int = 0,
+        add_bos: bool = False,
+        shuffle_rows: int = 10_000,
+    ) -> None:
+        self.units, self.tokenizer = units, tokenizer
+        self.seq_len, self.batch_size, self.pack_sequences = seq_len, batch_size, pack_sequences
+        self.seed, self.add_bos, self.shuffle_rows = seed, add_bos, shuffle_rows
+        self._identity = {
+            "data": units.identity(),
+            "tokenizer": tokenizer_identity(tokenizer),
+            "seq_len": seq_len,
+            "pack_sequences": pack_sequences,
+            "seed": seed,
+            "add_bos": add_bos,
+            "shuffle_rows": shuffle_rows,
+        }
+        self._split_for: int | None = None
+
+    def identity(self) -> dict[str, Any]:
+        return self._identity
+
+    def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return windows_to_batch(raw)
+
+    def _cut_for(self, num_readers: int) -> int:
+        """Units, cut into row ranges when there are fewer than readers (and they can be cut)."""
+        if self._split_for != num_readers:
+            if self._split_for is not None:
+                raise RuntimeError("a stream's units are cut for one number of readers")
+            if self.units.splittable and len(self.units) < num_readers:
+                self.units.split(math.ceil(num_readers / len(self.units)))
+            self._split_for = num_readers
+        return len(self.units)
+
+    def idle_readers(self, num_readers: int) -> list[int]:
+        return list(range(self._cut_for(num_readers), num_readers))
+
+    def units_of(self, reader: int, num_readers: int, pass_: int) -> np.ndarray:
+        """The units reader ``reader`` of ``num_readers`` reads in pass ``pass_``, in order."""
+        n = self._cut_for(num_readers)
+        order = permute(np.arange(n), n, round_keys(self.seed, _UNIT_ORDER, np.full(n, pass_)))
+        return order[reader::num_readers]
+
+    def _row_order(self, pass_: int, unit: int, block: int, rows: int) -> np.ndarray:
+        key = int(mix64(np.array([(unit << 32) | block], dtype=np.uint64))[0]) ^ _ROW_ORDER
+        return permute(np.arange(rows), rows, round_keys(self.seed ^ key, pass_, np.zeros(rows)))
+
+    def documents(self, reader: int, num_readers: int, pass_: int) -> Iterator[str]:
+        """The documents reader ``reader`` reads in pass ``pass_``, in its order (for checks)."""
+        for unit in self.units_of(reader, num_readers, pass_).tolist():
+            for block, (table, first_row, values) in enumerate(self.units.blocks(unit, 0, self.shuffle_rows)):
+                check_texts(table, first_row, values, self.units.text_field)
+                yield from (values[i] for i in self._row_order(pass_, unit, block, len(values)))
+
+    def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
+        encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
+        pass_, slot, block, row = (0, 0, 0, 0) if state is None else (int(state[k]) for k in _CURSOR)
+        tokens = np.empty(0, np.int32) if state is None else state["tokens"].numpy()
+        starts = np.empty(0, bool) if state is None else state["starts"].numpy()
+        pieces, flags, have = [tokens], [starts], len(tokens)
+        need = self.batch_size * self.seq_len + 1  # a batch's windows, overlapping by one token
+        while True:
+            mine = self.units_of(reader, num_readers, pass_).tolist()
+            if not mine:
+                return
+            documents_read = 0
+            slots = range(slot, len(mine))  # the cursor resumes where it was
+            for slot in slots:
+                unit = mine[slot]
+                blocks = enumerate(self.units.blocks(unit, block, self.shuffle_rows), start=block)
+                for block, (table, first_row, values) in blocks:
+                    check_texts(table, first_row, values, self.units.text_field)
+                    order = self._row_order(pass_, unit, block, len(values))
+                    while row < len(values):
+                        chunk = [values[i] for i in order[row : row + _TOKENIZE_ROWS]]
+                        ids, lengths = encode(chunk)
+                        documents_read += len(chunk)
+                        for doc in np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]):
+                            row += 1
+                            flag = np.zeros(len(doc), bool)
+                            flag[0] = True
+                            pieces.append(doc)
+                            flags.append(flag)
+                            have += len(doc)
+                            if have < need:
+                                continue
+                            tokens, starts = np.concatenate(pieces), np.concatenate(flags)
+                            while len(tokens) >= need:
+                                raw = self._windows(tokens[:need], starts[:need])
+                                tokens, starts = tokens[need - 1 :], starts[need - 1 :]
+                                cursor = (pass_, slot, block, row)
+                                yield raw, {**dict(zip(_CURSOR, cursor, strict=True)), **_buffers(tokens, starts)}
+                            pieces, flags, have = [tokens], [starts], len(tokens)
+                    row = 0
+                block = 0
+            if documents_read == 0 and state is None:
+                raise ValueError(f"reader {reader} of {num_readers}: its units {mine} hold no documents")
+            log.debug("stream reader %d finished pass %d", reader, pass_)
+            pass_, slot, state = pass_ + 1, 0, None
+
+    def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+        view = np.lib.stride_tricks.sliding_window_view
+        raw = {"tokens": view(tokens, self.seq_len + 1)[:: self.seq_len].copy()}
+        if self.pack_sequences:
+            raw["document_starts"] = view(starts, self.seq_len + 1)[:: self.seq_len].copy()
+        return raw
+
+
+def _buffers(tokens: np.ndarray, starts: np.ndarray) -> dict[str, torch.Tensor]:
+    return {"tokens": as_tensor(tokens), "starts": as_tensor(starts)}

@@ -1,0 +1,203 @@
+"""HFTextDataModule(streaming=True): documents read by one (rank, worker) each, packed on the fly,
+resumed token-exactly through ``Trainer.fit``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from datamodules import HFTextDataModule
+from datamodules.text.prepare import DocumentTokenizer
+from datamodules.text.prepare_inputs import PrepareError
+from datamodules.text.text_stream import TextStream
+from examples.default_corpus import train_tokenizer
+from tests.support import RecordingModel, quiet_trainer
+
+_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i in range(300)]
+SEQ_LEN, BATCH = 8, 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("tok")
+    (root / "corpus.txt").write_text("\n".join(DOCS))
+    return str(train_tokenizer([root / "corpus.txt"], root / "tokenizer", vocab_size=300))
+
+
+def parquet(root: Path, files: int, row_group: int, docs: list[str] = DOCS) -> list[str]:
+    """``docs`` over ``files`` parquet files of ``row_group``-row groups."""
+    paths = []
+    for i, part in enumerate(np.array_split(np.array(docs, dtype=object), files)):
+        path = root / f"part{i}.parquet"
+        pq.write_table(pa.table({"text": list(part)}), path, row_group_size=row_group)
+        paths.append(str(path))
+    return paths
+
+
+def jsonl(root: Path, files: int, docs: list[str] = DOCS) -> list[str]:
+    paths = []
+    for i, part in enumerate(np.array_split(np.array(docs, dtype=object), files)):
+        path = root / f"part{i}.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+        paths.append(str(path))
+    return paths
+
+
+def stream_dm(tokenizer: str, path: str = "parquet", data_files=None, **kwargs) -> HFTextDataModule:
+    options = {"seq_len": SEQ_LEN, "batch_size": BATCH, "streaming": True, "shuffle_rows": 16}
+    return HFTextDataModule(path, tokenizer, data_files=data_files, **{**options, **kwargs})
+
+
+def stream_of(tmp_path: Path, tokenizer: str, layout: str) -> TextStream:
+    if layout == "parquet, one file of 2 row groups":
+        dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=150))
+    elif layout == "parquet, many small row groups":
+        dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 3, row_group=7))
+    elif layout == "save_to_disk":
+        datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(tmp_path / "saved")
+        dm = stream_dm(tokenizer, str(tmp_path / "saved"))
+    else:
+        dm = stream_dm(tokenizer, "json", data_files=jsonl(tmp_path, 5))
+    return dm.build_stream()
+
+
+@pytest.mark.parametrize(
+    "layout", ["parquet, one file of 2 row groups", "parquet, many small row groups", "save_to_disk", "json files"]
+)
+def test_four_readers_read_every_document_exactly_once_per_pass(tmp_path: Path, tokenizer: str, layout: str) -> None:
+    stream = stream_of(tmp_path, tokenizer, layout)  # 2 ranks x 2 workers
+    for pass_ in (0, 1):
+        read = [list(stream.documents(reader, 4, pass_)) for reader in range(4)]
+        assert Counter(doc for docs in read for doc in docs) == Counter(DOCS)
+        assert all(read)  # no idle reader: too few row groups are cut into row ranges
+    assert list(stream.documents(0, 4, 0)) != list(stream.documents(0, 4, 1))  # each pass reshuffled
+
+
+def test_a_reader_packs_its_documents_into_consecutive_windows(tmp_path: Path, tokenizer: str) -> None:
+    stream = stream_of(tmp_path, tokenizer, "parquet, many small row groups")
+    encode = DocumentTokenizer(tokenizer)
+    expected = np.concatenate([encode(list(stream.documents(1, 4, p)))[0] for p in (0, 1)])
+    batches = stream.read(1, 4, None)
+    trained = np.concatenate([raw["tokens"][:, :-1].ravel() for raw, _ in (next(batches) for _ in range(40))])
+    assert len(trained) < len(expected)  # into the second pass
+    assert trained.tolist() == expected[: len(trained)].tolist()
+
+
+def fit(dm: HFTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list[dict]:
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=7, save_top_k=-1)] if ckpt_dir else []
+    model = RecordingModel()
+    trainer = quiet_trainer(max_steps=max_steps, callbacks=callbacks, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm, ckpt_path=resume)
+    return [{"step": r["step"], "digest": r["digest"]} for r in model.records]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("steps_per_epoch", [None, 5])
+def test_resume_through_fit_trains_identical_batches(
+    tmp_path: Path, tokenizer: str, workers: int, steps_per_epoch: int | None
+) -> None:
+    files = parquet(tmp_path, 2, row_group=20)
+
+    def dm() -> HFTextDataModule:
+        return stream_dm(tokenizer, data_files=files, num_workers=workers, steps_per_epoch=steps_per_epoch)
+
+    uninterrupted = fit(dm(), 60)  # about two passes of each reader
+    stopped = fit(dm(), 9, ckpt_dir=tmp_path / "ckpt")
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
+    resumed = fit(dm(), 60, resume=checkpoint)
+    assert stopped[:7] + resumed == uninterrupted
+
+
+def test_a_checkpoint_of_other_workers_is_refused_and_says_what_would_work(tmp_path: Path, tokenizer: str) -> None:
+    files = parquet(tmp_path, 2, row_group=20)
+    fit(stream_dm(tokenizer, data_files=files, num_workers=2), 7, ckpt_dir=tmp_path / "ckpt")
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
+    with pytest.raises(ValueError, match=r"read by 1 ranks x 2 workers, this run has 1 x 1.*num_workers=2"):
+        fit(stream_dm(tokenizer, data_files=files), 10, resume=checkpoint)
+
+
+def test_the_stream_state_holds_every_reader_and_a_changed_stream_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    files = parquet(tmp_path, 2, row_group=20)
+    dm = stream_dm(tokenizer, data_files=files)
+    dm.setup("fit")
+    loader = iter(dm.train_dataloader())
+    for _ in range(3):
+        next(loader)
+    state = dm.state_dict()["stream"]
+    assert (state["ranks"], state["workers"], state["batches"], list(state["readers"])) == (1, 1, 3, [0])
+    other = stream_dm(tokenizer, data_files=files, seed=1)
+    other.setup("fit")
+    with pytest.raises(ValueError, match="the stream differs from the checkpoint's"):
+        other.load_state_dict(dm.state_dict())
+
+
+def test_more_workers_than_stream_shards_warns_of_the_idle_ones_and_duplicates_nothing(
+    tmp_path: Path, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dm = stream_dm(tokenizer, "json", data_files=jsonl(tmp_path, 1, DOCS[:40]), num_workers=2)
+    dm.setup("fit")
+    with caplog.at_level(logging.WARNING, "datamodules.plan.stream"):
+        batches = iter(dm.train_dataloader())
+        trained = np.concatenate([next(batches)["input_ids"].numpy().ravel() for _ in range(40)])
+    assert "idle: rank 0 worker 1" in caplog.text
+    # Worker 0 alone reads the one file, pass after pass; worker 1 reads nothing (no duplicate).
+    encode = DocumentTokenizer(tokenizer)
+    passes = np.concatenate([encode(list(dm._stream.stream.documents(0, 2, p)))[0] for p in range(4)])
+    assert len(trained) > len(encode(DOCS[:40])[0])  # past the first pass
+    assert trained.tolist() == passes[: len(trained)].tolist()
+
+
+# Bad input: each a clear error at setup, or naming the row that is read
+
+
+@pytest.mark.parametrize("layout", ["parquet", "save_to_disk", "json"])
+def test_a_text_field_that_is_not_a_column_lists_the_columns(tmp_path: Path, tokenizer: str, layout: str) -> None:
+    table = {"body": DOCS[:10]}
+    if layout == "parquet":
+        pq.write_table(pa.table(table), tmp_path / "d.parquet")
+        dm = stream_dm(tokenizer, data_files=str(tmp_path / "d.parquet"))
+    elif layout == "save_to_disk":
+        datasets.Dataset.from_dict(table).save_to_disk(tmp_path / "saved")
+        dm = stream_dm(tokenizer, str(tmp_path / "saved"))
+    else:
+        (tmp_path / "d.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in DOCS[:10]))
+        dm = stream_dm(tokenizer, "json", data_files=str(tmp_path / "d.jsonl"))
+    with pytest.raises(ValueError, match=r"has no column 'text'; columns are \['body'\]"):
+        dm.setup("fit")
+
+
+def test_a_null_text_names_the_row(tmp_path: Path, tokenizer: str) -> None:
+    pq.write_table(pa.table({"text": ["a", "b", None, "c"] * 10}), tmp_path / "d.parquet", row_group_size=8)
+    dm = stream_dm(tokenizer, data_files=str(tmp_path / "d.parquet"), shuffle_rows=100)
+    dm.setup("fit")
+    with pytest.raises(ValueError, match=r"d.parquet row group \d row 2: text field 'text' is null"):
+        next(iter(dm.train_dataloader()))
+
+
+def test_an_empty_split_is_an_error(tmp_path: Path, tokenizer: str) -> None:
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(PrepareError, match="no documents in split 'train' of 'parquet'"):
+        stream_dm(tokenizer, data_files=str(tmp_path / "empty.parquet")).setup("fit")
+
+
+def test_an_endless_stream_without_max_steps_is_an_error_before_training(tmp_path: Path, tokenizer: str) -> None:
+    dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=50))
+    with pytest.raises(ValueError, match=r"needs Trainer\(max_steps=N\), or steps_per_epoch=N"):
+        quiet_trainer(max_epochs=1).fit(RecordingModel(), datamodule=dm)
+
+
+def test_a_stream_validates_on_val_split_not_val_fraction(tmp_path: Path, tokenizer: str) -> None:
+    dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=50), val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"val_fraction=0.1 needs the tokenized cache \(streaming=False\)"):
+        dm.setup("fit")
