@@ -24,7 +24,9 @@ def quickstart_inputs() -> None:
     topics = Path(".cache/quickstart/pydoc_topics")
     topics.mkdir(parents=True)
     for i in range(30):
-        (topics / f"topic{i}.txt").write_text(f"Topic {i}. " + "The while statement repeats a block. " * (i + 3))
+        (topics / f"{chr(ord('a') + i % 26)}topic{i}.txt").write_text(
+            f"Topic {i}. " + "The while statement repeats a block. " * (i + 3)
+        )
     train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
 
 

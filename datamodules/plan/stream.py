@@ -13,6 +13,7 @@ refused.
 from __future__ import annotations
 
 import logging
+import warnings
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,6 +27,10 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from datamodules.plan.loader import keep_raw
 
 log = logging.getLogger(__name__)
+
+# Lightning warns of any IterableDataset with a length, in case its workers read the same data; a
+# stream's workers never do, and its length is the epoch its loader stops at.
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 ReaderState = dict[str, Any]
 

@@ -9,7 +9,6 @@ resume costs at most one shard, never the whole pass.
 
 from __future__ import annotations
 
-import itertools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -164,13 +163,12 @@ class StreamedUnits(DocumentUnits):
         return ["streamed", self.text_field, *self.corpus.identity()]
 
     def blocks(self, unit: int, first_block: int, block_rows: int) -> Iterator[tuple[str, int, list[Any]]]:
-        shard = self.corpus.part(unit, self.num_shards).load()
-        rows = iter(shard.skip(first_block * block_rows).select_columns([self.text_field]))
-        for block in itertools.count(first_block):
-            values = [row[self.text_field] for row in itertools.islice(rows, block_rows)]
-            if not values:
-                return
-            yield f"{self.corpus.path} shard {unit} of {self.num_shards}", block * block_rows, values
+        shard = self.corpus.part(unit, self.num_shards).load().skip(first_block * block_rows)
+        # ``iter``, not ``__iter__``: inside a DataLoader worker, datasets' ``__iter__`` would split
+        # the shard again among the workers (this reader's worker would get none of it).
+        batches = shard.select_columns([self.text_field]).iter(batch_size=block_rows)
+        for block, batch in enumerate(batches, start=first_block):
+            yield f"{self.corpus.path} shard {unit} of {self.num_shards}", block * block_rows, batch[self.text_field]
 
 
 def document_units(corpus: DatasetCorpus, text_field: str, block_rows: int) -> DocumentUnits:

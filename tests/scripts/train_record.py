@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--data", help="token shard directory (TokenShardDataModule)")
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
+    data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
+    parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
     parser.add_argument("--cache-dir", help="HFTextDataModule cache_dir; {node} is replaced by NODE_RANK")
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("datamodules.text.prepare").setLevel(logging.INFO)
     if args.mixture:
         datamodule: PlanDataModule = MixtureDataModule(mixture_components(args.mixture), **loading)
+    elif args.hf_parquet:
+        datamodule = HFTextDataModule(
+            "parquet", args.tokenizer, data_files=args.hf_parquet.split(","), streaming=args.streaming, **loading
+        )
     elif args.hf_json:
         cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))
         files = {"train": args.hf_json, "validation": args.hf_val_json} if args.hf_val_json else args.hf_json

@@ -28,11 +28,14 @@ DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i
 SEQ_LEN, BATCH = 8, 4
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("tok")
+def trained_tokenizer(root: Path) -> str:
     (root / "corpus.txt").write_text("\n".join(DOCS))
     return str(train_tokenizer([root / "corpus.txt"], root / "tokenizer", vocab_size=300))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return trained_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def parquet(root: Path, files: int, row_group: int, docs: list[str] = DOCS) -> list[str]:
@@ -92,6 +95,21 @@ def test_a_reader_packs_its_documents_into_consecutive_windows(tmp_path: Path, t
     trained = np.concatenate([raw["tokens"][:, :-1].ravel() for raw, _ in (next(batches) for _ in range(40))])
     assert len(trained) < len(expected)  # into the second pass
     assert trained.tolist() == expected[: len(trained)].tolist()
+
+
+@pytest.mark.parametrize("layout", ["parquet, many small row groups", "json files"])
+def test_two_workers_yield_their_readers_batches_in_turn(tmp_path: Path, tokenizer: str, layout: str) -> None:
+    data = {"path": "json", "data_files": jsonl(tmp_path, 2)}
+    if layout.startswith("parquet"):
+        data = {"data_files": parquet(tmp_path, 3, row_group=7)}
+    dm = stream_dm(tokenizer, num_workers=2, **data)
+    dm.setup("fit")
+    loader = iter(dm.train_dataloader())
+    trained = [next(loader)["input_ids"] for _ in range(20)]
+    stream = stream_dm(tokenizer, **data).build_stream()
+    readers = [stream.read(worker, 2, None) for worker in (0, 1)]
+    expected = [stream.to_batch(next(readers[i % 2])[0])["input_ids"] for i in range(20)]
+    assert all((a == b).all() for a, b in zip(trained, expected, strict=True))
 
 
 def fit(dm: HFTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list[dict]:
