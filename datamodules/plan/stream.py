@@ -181,6 +181,15 @@ class StreamTraining:
         self._check_readers(world, workers)
         num_readers = world * workers
         idle = set(self.stream.idle_readers(num_readers))
+        if rank == 0:
+            log.info(
+                "%s streams its training data through %d readers (%d ranks x %d workers), resuming at batch %d",
+                self.owner,
+                num_readers,
+                world,
+                workers,
+                batches_trained,
+            )
         if idle and rank == 0:
             names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
             log.warning("%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names)
