@@ -258,11 +258,15 @@ class PlanDataModule(LightningDataModule):
             done = loop.batch_progress.current.processed if loop is not None else 0
             return epoch_batches - min(done, epoch_batches)
 
-        loader = self._stream.loader(
-            self.dp_rank, self.dp_size, self.num_workers, self._batches_trained(), remaining, **self._loader_options()
+        return self._stream.loader(
+            self.dp_rank,
+            self.dp_size,
+            self.num_workers,
+            self._batches_trained(),
+            remaining,
+            epoch_batches,
+            **self._loader_options(),
         )
-        loader.epoch_length = epoch_batches
-        return loader
 
     def _loader_options(self) -> dict[str, Any]:
         pin = self.pin_memory

@@ -89,7 +89,7 @@ class StreamCursor:
             done = [state for count, state in recent if count <= batches]
             if done:
                 states[reader] = done[-1]
-            elif recent and recent[0][0] <= batches:
+            elif len(recent) == recent.maxlen:  # the state it needs was pushed out of the window
                 raise RuntimeError(f"reader {reader}'s state at batch {batches} is no longer held")
         return states
 
@@ -98,7 +98,8 @@ class StreamLoader(DataLoader):
     """Yields a stream's tensor batches, recording each batch's reader state in ``cursor``.
 
     One iteration runs across epochs: each ``iter()`` continues where the last stopped, for
-    ``epoch_batches() `` batches (``None``: endless), so no batch a prefetcher pulled is lost.
+    ``epoch_batches()`` batches (``None``: endless), so no batch a prefetcher pulled is lost;
+    ``epoch_length`` is a whole epoch's batches, its ``len`` (``None``: no length).
     """
 
     def __init__(
@@ -106,6 +107,7 @@ class StreamLoader(DataLoader):
         dataset: StreamDataset,
         cursor: StreamCursor,
         epoch_batches: Callable[[], int | None],
+        epoch_length: int | None,
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
@@ -114,7 +116,7 @@ class StreamLoader(DataLoader):
             dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_raw, prefetch_factor=prefetch_factor
         )
         self.cursor, self.epoch_batches, self.pin_batches = cursor, epoch_batches, pin_memory
-        self.epoch_length: int | None = None
+        self.epoch_length = epoch_length
         self._raws: Iterator[tuple[Any, int, ReaderState]] | None = None
 
     def __len__(self) -> int:
@@ -175,6 +177,7 @@ class StreamTraining:
         num_workers: int,
         batches_trained: int,
         epoch_batches: Callable[[], int | None],
+        epoch_length: int | None,
         **loader_kwargs: Any,
     ) -> StreamLoader:
         workers = max(1, num_workers)
@@ -190,9 +193,11 @@ class StreamTraining:
                 workers,
                 batches_trained,
             )
-        if idle and rank == 0:
-            names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
-            log.warning("%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names)
+            if idle:
+                names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
+                log.warning(
+                    "%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names
+                )
         states = self.cursor.states_at(batches_trained)
         self.cursor = StreamCursor(batches_trained, states)
         # Batch b of this rank comes from its b-th active reader, round robin: start there.
@@ -204,7 +209,7 @@ class StreamTraining:
             )
         first = active[batches_trained % len(active)]
         dataset = StreamDataset(self.stream, rank, world, workers, states, first)
-        return StreamLoader(dataset, self.cursor, epoch_batches, num_workers, **loader_kwargs)
+        return StreamLoader(dataset, self.cursor, epoch_batches, epoch_length, num_workers, **loader_kwargs)
 
     def _check_readers(self, world: int, workers: int) -> None:
         saved = self._restored

@@ -13,6 +13,7 @@ batched: resuming re-reads one block, however far into the stream the cursor is.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -102,58 +103,62 @@ class TextStream(Stream):
         key = int(mix64(np.array([(unit << 32) | block], dtype=np.uint64))[0]) ^ _ROW_ORDER
         return permute(np.arange(rows), rows, round_keys(self.seed ^ key, pass_, np.zeros(rows)))
 
+    def _documents_from(
+        self, reader: int, num_readers: int, cursor: tuple[int, int, int, int]
+    ) -> Iterator[tuple[tuple[int, int, int, int], str]]:
+        """``(cursor after it, text)`` of each document reader ``reader`` reads in the cursor's
+        pass, from the cursor ``(pass, unit slot, block, row)`` on."""
+        pass_, first_slot, first_block, first_row = cursor
+        units = self.units_of(reader, num_readers, pass_).tolist()
+        for slot in range(first_slot, len(units)):
+            blocks = self.units.blocks(units[slot], first_block, self.shuffle_rows)
+            for block, (table, start, values) in enumerate(blocks, start=first_block):
+                check_texts(table, start, values, self.units.text_field)
+                order = self._row_order(pass_, units[slot], block, len(values))
+                for row in range(first_row, len(values)):
+                    yield (pass_, slot, block, row + 1), values[order[row]]
+                first_row = 0
+            first_block = 0
+
     def documents(self, reader: int, num_readers: int, pass_: int) -> Iterator[str]:
         """The documents reader ``reader`` reads in pass ``pass_``, in its order (for checks)."""
-        for unit in self.units_of(reader, num_readers, pass_).tolist():
-            for block, (table, first_row, values) in enumerate(self.units.blocks(unit, 0, self.shuffle_rows)):
-                check_texts(table, first_row, values, self.units.text_field)
-                yield from (values[i] for i in self._row_order(pass_, unit, block, len(values)))
+        return (text for _, text in self._documents_from(reader, num_readers, (pass_, 0, 0, 0)))
 
     def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
+        if reader in self.idle_readers(num_readers):
+            return
         encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
-        pass_, slot, block, row = (0, 0, 0, 0) if state is None else (int(state[k]) for k in _CURSOR)
+        cursor = (0, 0, 0, 0) if state is None else tuple(int(state[k]) for k in _CURSOR)
         tokens = np.empty(0, np.int32) if state is None else state["tokens"].numpy()
         starts = np.empty(0, bool) if state is None else state["starts"].numpy()
         pieces, flags, have = [tokens], [starts], len(tokens)
         need = self.batch_size * self.seq_len + 1  # a batch's windows, overlapping by one token
         while True:
-            mine = self.units_of(reader, num_readers, pass_).tolist()
-            if not mine:
-                return
-            documents_read = 0
-            slots = range(slot, len(mine))  # the cursor resumes where it was
-            for slot in slots:
-                unit = mine[slot]
-                blocks = enumerate(self.units.blocks(unit, block, self.shuffle_rows), start=block)
-                for block, (table, first_row, values) in blocks:
-                    check_texts(table, first_row, values, self.units.text_field)
-                    order = self._row_order(pass_, unit, block, len(values))
-                    while row < len(values):
-                        chunk = [values[i] for i in order[row : row + _TOKENIZE_ROWS]]
-                        ids, lengths = encode(chunk)
-                        documents_read += len(chunk)
-                        for doc in np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]):
-                            row += 1
-                            flag = np.zeros(len(doc), bool)
-                            flag[0] = True
-                            pieces.append(doc)
-                            flags.append(flag)
-                            have += len(doc)
-                            if have < need:
-                                continue
-                            tokens, starts = np.concatenate(pieces), np.concatenate(flags)
-                            while len(tokens) >= need:
-                                raw = self._windows(tokens[:need], starts[:need])
-                                tokens, starts = tokens[need - 1 :], starts[need - 1 :]
-                                cursor = (pass_, slot, block, row)
-                                yield raw, {**dict(zip(_CURSOR, cursor, strict=True)), **_buffers(tokens, starts)}
-                            pieces, flags, have = [tokens], [starts], len(tokens)
-                    row = 0
-                block = 0
-            if documents_read == 0 and state is None:
-                raise ValueError(f"reader {reader} of {num_readers}: its units {mine} hold no documents")
-            log.debug("stream reader %d finished pass %d", reader, pass_)
-            pass_, slot, state = pass_ + 1, 0, None
+            pass_start, documents = cursor[1:] == (0, 0, 0), self._documents_from(reader, num_readers, cursor)
+            while chunk := list(itertools.islice(documents, _TOKENIZE_ROWS)):
+                ids, lengths = encode([text for _, text in chunk])
+                for (cursor, _), doc in zip(
+                    chunk, np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]), strict=True
+                ):
+                    flag = np.zeros(len(doc), bool)
+                    flag[0] = True
+                    pieces.append(doc)
+                    flags.append(flag)
+                    have += len(doc)
+                    if have < need:
+                        continue
+                    tokens, starts = np.concatenate(pieces), np.concatenate(flags)
+                    while len(tokens) >= need:
+                        raw = self._windows(tokens[:need], starts[:need])
+                        tokens, starts = tokens[need - 1 :], starts[need - 1 :]
+                        yield raw, {**dict(zip(_CURSOR, cursor, strict=True)), **_buffers(tokens, starts)}
+                    pieces, flags, have = [tokens], [starts], len(tokens)
+                pass_start = False
+            if pass_start:
+                units = self.units_of(reader, num_readers, cursor[0]).tolist()
+                raise ValueError(f"reader {reader} of {num_readers}: its units {units} hold no documents")
+            log.debug("stream reader %d finished pass %d", reader, cursor[0])
+            cursor = (cursor[0] + 1, 0, 0, 0)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
         view = np.lib.stride_tricks.sliding_window_view
