@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "HFTextDataModule": "datamodules.text.hf_text",
     "HFTextSource": "datamodules.text.hf_text",
+    "ImageTextDataModule": "datamodules.vision.image_text_datamodule",
+    "ImageTextSource": "datamodules.vision.image_text_source",
     "MixtureComponent": "datamodules.mixture",
     "MixtureDataModule": "datamodules.mixture",
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
@@ -29,6 +31,8 @@ _EXPORTS = {
 __all__ = [
     "HFTextDataModule",
     "HFTextSource",
+    "ImageTextDataModule",
+    "ImageTextSource",
     "MixtureComponent",
     "MixtureDataModule",
     "PhaseScheduler",
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     from datamodules.text.token_shard_datamodule import TokenShardDataModule
     from datamodules.text.token_shard_source import TokenShardSource
     from datamodules.text.token_shards import TokenShards
+    from datamodules.vision.image_text_datamodule import ImageTextDataModule
+    from datamodules.vision.image_text_source import ImageTextSource
 
 
 def __getattr__(name: str) -> Any:

@@ -92,7 +92,9 @@ class PlanDataLoader(DataLoader):
 
     Worker processes send ``_GROUP`` raw micro-batches per message (the DataLoader's "batch" is a
     list of them): one message between processes costs ~150 us here, ten times the reading of a
-    micro-batch. In-process, each span goes straight from the sampler to the dataset, skipping the
+    token micro-batch. A source whose micro-batch costs far more (decoded images) sets
+    ``batches_per_message`` lower, so the first batch does not wait for sixteen.
+    In-process, each span goes straight from the sampler to the dataset, skipping the
     DataLoader's per-item machinery, and the sampler advances no further than what was yielded.
     """
 
@@ -106,7 +108,7 @@ class PlanDataLoader(DataLoader):
     ) -> None:
         super().__init__(
             dataset,
-            batch_size=_GROUP if num_workers > 0 else None,
+            batch_size=getattr(dataset.source, "batches_per_message", _GROUP) if num_workers > 0 else None,
             sampler=sampler,
             num_workers=num_workers,
             collate_fn=keep_raw,

@@ -19,10 +19,11 @@ import numpy as np
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
+from datamodules.plan.hf_loading import is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.document_units import document_units
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
-from datamodules.text.prepare_inputs import DatasetCorpus, is_saved_dataset
+from datamodules.text.prepare_inputs import DatasetCorpus
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.text_stream import TextStream
 from datamodules.text.token_shard_source import split_windows

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.hf_loading import load_pretrained
 from datamodules.text.prepare_inputs import (
     BadRows,
     Corpus,
@@ -57,16 +58,8 @@ class DocumentTokenizer:
     """
 
     def __init__(self, tokenizer: str, add_bos: bool = False, separator: str = "eos") -> None:
-        from transformers import AutoTokenizer
-
         # Every process tokenizes on one thread: the number of processes is the one knob of parallelism.
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise PrepareError(f"cannot load tokenizer {tokenizer!r}: {first[:200]}") from None
+        self.tokenizer = load_pretrained("tokenizer", tokenizer, error=PrepareError)
         self.name = tokenizer
         self.vocab_size = len(self.tokenizer)
         self.bos_id = self._special_id("BOS", self.tokenizer.bos_token_id) if add_bos else None

@@ -18,6 +18,8 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+from datamodules.plan.hf_loading import is_saved_dataset, load_split
+
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")  # one document per file
@@ -25,7 +27,6 @@ JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")  # one document per record
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
 _KINDS = {**dict.fromkeys(TEXT_SUFFIXES, "text"), **dict.fromkeys(JSON_SUFFIXES, "json"), ".parquet": "parquet"}
-SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 # owner/name or name, as the Hub spells them; anything else is a local path.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 BATCH_DOCUMENTS = 1024
@@ -40,12 +41,6 @@ class PrepareError(ValueError):
 def accepted_suffixes() -> str:
     plain = ", ".join(_KINDS)
     return f"{plain} (each also compressed: {', '.join(COMPRESSIONS)})"
-
-
-def is_saved_dataset(path: str | Path) -> bool:
-    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
-    path = Path(path)
-    return path.is_dir() and any((path / marker).exists() for marker in SAVED_DATASET_MARKERS)
 
 
 def looks_like_hub_name(value: str) -> bool:
@@ -281,35 +276,21 @@ class DatasetCorpus:
         return replace(self, part_index=index, num_parts=num_parts)
 
     def load(self) -> Any:
-        import datasets
-
-        if self.saved:
-            try:
-                loaded = datasets.load_from_disk(self.path)
-            except Exception as err:  # datasets' own failure, told in one line
-                raise PrepareError(f"cannot load the saved dataset {self.path} ({type(err).__name__}: {err})") from None
-            if isinstance(loaded, datasets.DatasetDict):
-                if self.split not in loaded:
-                    raise PrepareError(f"{self.path} has no split {self.split!r}; splits are {list(loaded)}")
-                loaded = loaded[self.split]
-            return loaded.shard(self.num_parts, self.part_index, contiguous=True) if self.num_parts > 1 else loaded
         data_files = list(self.data_files) if isinstance(self.data_files, tuple) else self.data_files
-        try:
-            loaded = datasets.load_dataset(
-                self.path,
-                self.config,
-                split=self.split,
-                data_files=data_files,
-                streaming=True,
-                **dict(self.load_kwargs),
-            )
-        except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            where = "is not a local path, and loading it from the HuggingFace Hub failed"
-            if not looks_like_hub_name(self.path) or Path(self.path).exists():
-                where = "could not be loaded with datasets.load_dataset"
-            raise PrepareError(f"{self.path!r} {where} ({type(err).__name__}: {first[:200]})") from None
-        return loaded.shard(num_shards=self.num_parts, index=self.part_index) if self.num_parts > 1 else loaded
+        loaded = load_split(
+            self.path,
+            self.split,
+            self.config,
+            data_files,
+            dict(self.load_kwargs),
+            streaming=not self.saved,
+            error=PrepareError,
+        )
+        if self.num_parts == 1:
+            return loaded
+        if self.saved:
+            return loaded.shard(self.num_parts, self.part_index, contiguous=True)
+        return loaded.shard(num_shards=self.num_parts, index=self.part_index)
 
     def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
         dataset = self.load()

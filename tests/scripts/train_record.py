@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from datamodules import (  # noqa: E402
     HFTextDataModule,
+    ImageTextDataModule,
     MixtureComponent,
     MixtureDataModule,
     PhaseScheduler,  # noqa: E402
@@ -48,7 +49,7 @@ from tests.support import RecordingModel, all_tokens  # noqa: E402
 
 def validation_tokens(datamodule: PlanDataModule) -> list[list[int]]:
     """Every validation source's token stream, as this rank holds it."""
-    return [all_tokens(val.shards).tolist() for _, val in datamodule._vals]
+    return [all_tokens(val.shards).tolist() for _, val in datamodule._vals if hasattr(val, "shards")]
 
 
 class TokenizationCounter(logging.Handler):
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
+    data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
+    parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image-folder: held-out rows")
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
@@ -136,6 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.hf_parquet:
         datamodule = HFTextDataModule(
             "parquet", args.tokenizer, data_files=args.hf_parquet.split(","), streaming=args.streaming, **loading
+        )
+    elif args.image_folder:
+        datamodule = ImageTextDataModule(
+            "imagefolder",
+            tokenizer=args.tokenizer,
+            max_text_len=loading.pop("seq_len"),
+            num_image_tokens=2,
+            image_size=8,
+            load_kwargs={"data_dir": args.image_folder},
+            val_fraction=args.val_fraction,
+            **loading,
         )
     elif args.hf_json:
         cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))

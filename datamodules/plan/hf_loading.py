@@ -1,0 +1,78 @@
+"""Loading HuggingFace datasets, tokenizers and processors for every source family, each failure a
+user can cause (a path, a split, a hub name offline) told in one line instead of a traceback wall.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an exception's message (at most 200 characters), or its type's name."""
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
+
+
+def is_saved_dataset(path: str | Path) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
+    path = Path(path)
+    return path.is_dir() and any((path / marker).exists() for marker in SAVED_DATASET_MARKERS)
+
+
+def _is_builder(path: str) -> bool:
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    return path in _PACKAGED_DATASETS_MODULES
+
+
+def load_split(
+    path: str,
+    split: str,
+    name: str | None = None,
+    data_files: str | list[str] | dict[str, Any] | None = None,
+    load_kwargs: dict[str, Any] | None = None,
+    streaming: bool = False,
+    error: type[Exception] = ValueError,
+) -> Any:
+    """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped) or of anything
+    ``datasets.load_dataset`` takes (a hub name, a builder such as ``"parquet"`` or ``"imagefolder"``
+    with ``data_files``, a local data folder); ``streaming`` gives an ``IterableDataset``."""
+    import datasets
+
+    if is_saved_dataset(path):
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as err:  # datasets' own failure, told in one line
+            raise error(f"cannot load the saved dataset {path} ({type(err).__name__}: {one_line(err)})") from None
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise error(f"{path} has no split {split!r}; splits are {list(loaded)}")
+            loaded = loaded[split]
+        return loaded
+    try:
+        return datasets.load_dataset(
+            path, name, split=split, data_files=data_files, streaming=streaming, **(load_kwargs or {})
+        )
+    except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
+        where = "could not be loaded with datasets.load_dataset"
+        if not (Path(path).exists() or _is_builder(path)):
+            where = "is not a local path, and loading it from the HuggingFace Hub failed"
+        raise error(f"{path!r} {where} ({type(err).__name__}: {one_line(err)})") from None
+
+
+def load_pretrained(kind: str, name: str, error: type[Exception] = ValueError) -> Any:
+    """A ``transformers`` tokenizer (``kind="tokenizer"``) or processor (``"processor"``) by hub name or
+    local path, with tokenizers on one thread: the DataLoader's workers are the parallelism."""
+    import os
+
+    from transformers import AutoProcessor, AutoTokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    loader = {"tokenizer": AutoTokenizer, "processor": AutoProcessor}[kind]
+    try:
+        return loader.from_pretrained(name)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise error(f"cannot load {kind} {name!r}: {one_line(err)}") from None

@@ -1,0 +1,1 @@
+"""Vision sources: image-text pairs (and video clips) for vision-language models."""

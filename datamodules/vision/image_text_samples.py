@@ -1,0 +1,201 @@
+"""``ImageTextSamples``: the rows of one image-text split as a plan source, decoded and tokenized in
+``fetch`` (in the DataLoader's workers), turned into tensors per the batch contract in ``to_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.plan.permutation import permute, round_keys
+from datamodules.vision.bad_samples import BadSampleLog, sample_or_replacement
+from datamodules.vision.images import BadSample, ImagePixels, read_image
+from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
+from datamodules.vision.vlm_processor import ProcessorInputs
+
+_SPLIT_KEY = 0x1D7E5  # the held-out split does not move when the training seed does
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Samples ``[0, count)`` of a split as dataset rows: rows ``[first, first + count)`` in the order of
+    a keyed shuffle of all ``num_rows`` rows (``shuffled``), or as they are."""
+
+    num_rows: int
+    first: int = 0
+    count: int | None = None
+    shuffled: bool = False
+
+    def __len__(self) -> int:
+        return self.num_rows - self.first if self.count is None else self.count
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        positions = np.asarray(indices, dtype=np.int64) + self.first
+        if not self.shuffled:
+            return positions
+        return permute(positions, self.num_rows, round_keys(_SPLIT_KEY, 0, np.zeros(len(positions), dtype=np.int64)))
+
+
+@dataclass
+class ImageTextFields:
+    """Where a row keeps its parts: the image (bytes, a path, or ``datasets``' undecoded ``Image``),
+    the answer text, and the prompt (a column, or one ``prompt`` for every row, or none)."""
+
+    image: str
+    text: str
+    prompt: str | None = None
+    fixed_prompt: str = ""
+
+
+class ImageTextSamples:
+    """Image-text samples of ``dataset`` rows chosen by ``split``, for the sample plan.
+
+    ``fetch`` (a worker's job) reads each row, decodes its image and tokenizes its text; a bad
+    sample raises naming its row and file, or (``on_bad_sample="skip"``) is replaced by a stand-in
+    drawn from its own index (``bad_samples``). ``to_batch`` (the main process) normalizes pixels
+    and counts the skipped samples.
+    """
+
+    batches_per_message = 1  # a decoded batch is worth a message of its own between processes
+
+    def __init__(
+        self,
+        dataset: Any,
+        split: RowSplit,
+        fields: ImageTextFields,
+        pixels: ImagePixels | ProcessorInputs,
+        labels: PromptAnswerLabels,
+        on_bad_sample: str,
+        name: str,
+        details: dict[str, Any],
+    ) -> None:
+        self.dataset = dataset
+        self.split = split
+        self.fields = fields
+        self.pixels = pixels
+        self.labels = labels
+        self.on_bad_sample = on_bad_sample
+        self.name = name
+        self.details = details
+        self.fingerprint = f"image-text:{sorted(details.items())}"
+        self.vocabulary = details["tokenizer"]
+        self.bad_samples = BadSampleLog()
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    @property
+    def shape_key(self) -> tuple[Any, ...]:
+        """What every sample's arrays' shapes depend on: joined sources must agree on it."""
+        return (self.labels.max_text_len, self.labels.num_image_tokens, self.pixel_shape, self.pixels.normalization)
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return self.pixels.pixel_shape if isinstance(self.pixels, ProcessorInputs) else self.pixels.shape
+
+    @classmethod
+    def join(cls, parts: list[ImageTextSamples]) -> JoinedImageTextSamples:
+        return JoinedImageTextSamples(parts)
+
+    def describe(self, index: int) -> str:
+        row = int(self.split.rows(np.array([index]))[0])
+        value = self.dataset[row][self.fields.image]
+        path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
+        return f"{self.name} row {row}" + (f" (image {path})" if path else "")
+
+    def _image(self, value: Any) -> np.ndarray:
+        if isinstance(value, dict):
+            data, path = value.get("bytes"), value.get("path")
+        elif isinstance(value, (bytes, bytearray)):
+            data, path = bytes(value), None
+        elif isinstance(value, str) or value is None:
+            data, path = None, value
+        else:
+            raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
+        if isinstance(self.pixels, ProcessorInputs):
+            return self.pixels.pixels(read_image(data, path))
+        return self.pixels(read_image(data, path, self.pixels.draft_size))
+
+    def _read(self, index: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        row = self.dataset[int(self.split.rows(np.array([index]))[0])]
+        fields = self.fields
+        answer = text_value(row[fields.text], fields.text)
+        prompt = fields.fixed_prompt if fields.prompt is None else text_value(row[fields.prompt], fields.prompt)
+        text, bad = self.labels.encode([prompt], [answer])
+        if bad:
+            raise BadSample(bad[0])
+        return self._image(row[fields.image]), {key: value[0] for key, value in text.items()}
+
+    def fetch(self, indices: np.ndarray) -> dict[str, Any]:
+        skipped: list[tuple[str, str]] = []
+        try:
+            samples = [
+                sample_or_replacement(i, len(self), self._read, self.describe, self.on_bad_sample, skipped)
+                for i in np.asarray(indices).tolist()
+            ]
+        except BadSample as err:  # raised in the main process by to_batch, as one message
+            return {"error": str(err)}
+        kinds = {image.dtype for image, _ in samples}
+        if len(kinds) > 1:
+            return {"error": f"the image transform returned arrays of several dtypes {sorted(map(str, kinds))}"}
+        raw = {key: np.stack([text[key] for _, text in samples]) for key in samples[0][1]}
+        return {**raw, "pixels": np.stack([image for image, _ in samples]), "skipped": skipped}
+
+    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if "error" in raw:
+            raise BadSample(raw["error"])
+        self.bad_samples.record(raw["skipped"])
+        pixels = raw["pixels"]
+        return {
+            "pixel_values": torch.from_numpy(pixels) if pixels.dtype != np.uint8 else self.pixels.to_tensor(pixels),
+            "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
+            "labels": torch.from_numpy(raw["labels"].astype(np.int64)),
+            "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
+            "image_positions": torch.from_numpy(raw["image_positions"].astype(np.int64)),
+        }
+
+
+class JoinedImageTextSamples:
+    """Several image-text sources one after another (how a mixture reads a batch from all of them);
+    each sample is read, and replaced if bad, within its own source."""
+
+    batches_per_message = 1
+
+    def __init__(self, parts: list[ImageTextSamples]) -> None:
+        keys = {p.shape_key for p in parts}
+        if len(keys) != 1:
+            raise ValueError(
+                "mixed image-text sources need one max_text_len, image-token count, pixel shape and pixel "
+                f"normalization (mean/std, or processor); got {sorted(map(str, keys))}"
+            )
+        self.parts = parts
+        self._ends = np.cumsum([len(p) for p in parts])
+        self.fingerprint = "+".join(p.fingerprint for p in parts)
+        self.bad_samples = BadSampleLog()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def fetch(self, indices: np.ndarray) -> dict[str, Any]:
+        indices = np.asarray(indices, dtype=np.int64)
+        which = np.searchsorted(self._ends, indices, side="right")
+        starts = np.concatenate([[0], self._ends[:-1]])
+        order, pieces = [], []
+        for part in np.unique(which).tolist():
+            at = np.flatnonzero(which == part)
+            raw = self.parts[part].fetch(indices[at] - starts[part])
+            if "error" in raw:
+                return raw
+            order.append(at)
+            pieces.append(raw)
+        inverse = np.argsort(np.concatenate(order), kind="stable")
+        joined = {key: np.concatenate([p[key] for p in pieces])[inverse] for key in pieces[0] if key != "skipped"}
+        return {**joined, "skipped": [entry for p in pieces for entry in p["skipped"]]}
+
+    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        batch = self.parts[0].to_batch({**raw, "skipped": []})
+        self.bad_samples.record(raw["skipped"])
+        return batch

@@ -1,0 +1,213 @@
+"""``ImageTextSource``: a HuggingFace image-text dataset as a configured source (mixable by weight),
+split into training and validation samples."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from datamodules.plan.arguments import require_int
+from datamodules.plan.hf_loading import is_saved_dataset, load_pretrained, load_split
+from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.vision.bad_samples import check_policy
+from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples, RowSplit
+from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
+from datamodules.vision.prompt_labels import PromptAnswerLabels, pad_token_id
+from datamodules.vision.vlm_processor import ProcessorInputs
+
+DEFAULT_IMAGE_SIZE = 224
+
+
+def transform_name(transform: Callable[[Any], Any] | None) -> str | None:
+    """What identifies a user transform across runs (torchvision's transforms print their settings)."""
+    if transform is None or isinstance(transform, torch.nn.Module):
+        return None if transform is None else repr(transform)
+    return getattr(transform, "__qualname__", type(transform).__qualname__)
+
+
+@dataclass
+class ImageTextSource(SourceSpec):
+    """Image-text pairs (captions, or prompts and answers) from a HuggingFace dataset.
+
+    Args:
+        path: a ``save_to_disk`` folder, or ``datasets.load_dataset``'s ``path``: ``"imagefolder"``
+            (with ``data_dir`` in ``load_kwargs``, or ``data_files``; captions in ``metadata.jsonl``),
+            ``"parquet"`` with ``data_files`` (an ``Image`` column), or a hub name.
+        tokenizer: a ``transformers`` tokenizer name or path; default: the processor's.
+        processor: a ``transformers`` VLM processor name or path: its image processor makes the
+            pixels, its chat template the prompt, and it fixes the image-token count (see
+            ``ProcessorInputs``). ``None``: our resize and normalization, placeholders first.
+        name: the dataset configuration. split: the training split.
+        data_files: ``load_dataset``'s ``data_files``.
+        image_field: the image column (``datasets.Image``, bytes, or a file path).
+        text_field: the answer or caption column.
+        prompt_field: the prompt column; or ``prompt``: one prompt for every row (default none).
+        image_size: pixels per side (default 224); with a processor, the processor's.
+        resize_mode: ``"crop"`` (shorter side to ``image_size``, center crop; default) or ``"square"``.
+        mean, std: per-channel normalization (default OpenAI CLIP's); a processor uses its own.
+        transform: replaces our resize: an RGB PIL image to a ``[3, image_size, image_size]``
+            tensor (uint8 is then normalized by mean/std, float is kept), e.g. a
+            ``torchvision.transforms.v2.Compose`` by class path in YAML.
+        num_image_tokens: placeholder positions per image, without a processor (0: none).
+        image_token: the placeholder's token, without a processor (default: the pad id).
+        add_bos: without a processor, start each sample with the tokenizer's BOS token.
+        val_split: a split of the dataset for validation; or
+        val_fraction: hold out this fraction of the rows, chosen by a fixed keyed shuffle (not the
+            tail: datasets are often sorted), disjoint from training.
+        on_bad_sample: ``"raise"`` (default) or ``"skip"``: an unreadable image, a null text or a
+            prompt too long for ``max_text_len`` is replaced by a stand-in drawn from its index,
+            counted and logged.
+        load_kwargs: further ``load_dataset`` arguments, e.g. ``{"data_dir": "images/"}``.
+    """
+
+    path: str
+    tokenizer: str | None = None
+    processor: str | None = None
+    name: str | None = None
+    split: str = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+    image_field: str = "image"
+    text_field: str = "text"
+    prompt_field: str | None = None
+    prompt: str = ""
+    image_size: int | None = None
+    resize_mode: str = "crop"
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    transform: Callable[[Any], Any] | None = None
+    num_image_tokens: int | None = None
+    image_token: str | None = None
+    add_bos: bool = False
+    val_split: str | None = None
+    val_fraction: float = 0.0
+    on_bad_sample: str = "raise"
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = str(self.path)
+        check_policy(self.on_bad_sample)
+        if self.image_size is not None:
+            require_int("image_size", self.image_size, 1)
+        if self.resize_mode not in RESIZE_MODES:
+            raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_split is not None and self.val_fraction > 0:
+            raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
+        if self.prompt_field is not None and self.prompt:
+            raise ValueError(f"give prompt_field ({self.prompt_field!r}) or prompt ({self.prompt!r}), not both")
+        if self.processor is None:
+            if self.tokenizer is None:
+                raise ValueError("give a tokenizer (name or path), or a processor whose tokenizer is used")
+            if self.num_image_tokens is None:
+                raise ValueError(
+                    "num_image_tokens is needed without a processor: the placeholder positions per image "
+                    "(the vision encoder's output length; 0 for none)"
+                )
+            require_int("num_image_tokens", self.num_image_tokens, 0)
+        else:
+            given = {"mean": self.mean, "std": self.std, "transform": self.transform, "image_token": self.image_token}
+            clash = [k for k, v in given.items() if v is not None]
+            if clash:
+                raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
+
+    def _load(self, split: str) -> Any:
+        return load_split(self.path, split, self.name, self.data_files, self.load_kwargs)
+
+    def prepare(self) -> None:
+        # Loading once per node builds datasets' Arrow cache, which every rank then memory-maps.
+        if not is_saved_dataset(self.path):
+            for split in (self.split, self.val_split):
+                if split is not None:
+                    self._load(split)
+
+    def _dataset(self, split: str) -> Any:
+        import datasets
+
+        dataset = self._load(split)
+        for column in (self.image_field, self.text_field, self.prompt_field):
+            if column is not None and column not in dataset.column_names:
+                raise ValueError(
+                    f"{self.path} split {split!r} has no column {column!r}; columns are {dataset.column_names}"
+                )
+        if len(dataset) == 0:
+            raise ValueError(f"{self.path} split {split!r} has no rows")
+        columns = [c for c in (self.image_field, self.text_field, self.prompt_field) if c is not None]
+        dataset = dataset.select_columns(columns)
+        if isinstance(dataset.features[self.image_field], datasets.Image):
+            dataset = dataset.cast_column(self.image_field, datasets.Image(decode=False))
+        return dataset
+
+    def _pixels_and_labels(self, max_text_len: int) -> tuple[ImagePixels | ProcessorInputs, PromptAnswerLabels, str]:
+        if self.processor is not None:
+            inputs = ProcessorInputs(self.processor)
+            tokenizer = inputs.tokenizer if self.tokenizer is None else load_pretrained("tokenizer", self.tokenizer)
+            for what, ours, theirs in (
+                ("image_size", self.image_size, inputs.pixel_shape[-1]),
+                ("num_image_tokens", self.num_image_tokens, inputs.num_image_tokens),
+            ):
+                if ours is not None and ours != theirs:
+                    raise ValueError(f"{what}={ours}, but processor {self.processor!r} gives {theirs}")
+            image_token_id = inputs.image_token_id
+            template, count, pixels = inputs.template, inputs.num_image_tokens, inputs
+        else:
+            tokenizer = load_pretrained("tokenizer", self.tokenizer)
+            image_token_id = pad_token_id(tokenizer, self.tokenizer)
+            if self.image_token is not None:
+                image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+                if image_token_id is None or image_token_id == tokenizer.unk_token_id:
+                    raise ValueError(f"image_token {self.image_token!r} is not a token of tokenizer {self.tokenizer!r}")
+            template, count = None, self.num_image_tokens
+            pixels = ImagePixels(
+                self.image_size or DEFAULT_IMAGE_SIZE,
+                self.resize_mode,
+                tuple(self.mean or CLIP_MEAN),
+                tuple(self.std or CLIP_STD),
+                self.transform,
+            )
+        name = self.tokenizer or self.processor
+        labels = PromptAnswerLabels(tokenizer, name, max_text_len, count, image_token_id, template, self.add_bos)
+        return pixels, labels, f"{name}:{len(tokenizer)}"
+
+    def build(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+    ) -> tuple[ImageTextSamples, ImageTextSamples | None]:
+        """Training and validation samples of ``seq_len`` tokens (``max_text_len``) each."""
+        if pack_sequences:
+            raise ValueError("image-text samples are not packed: use pack_sequences=False")
+        pixels, labels, tokenizer = self._pixels_and_labels(seq_len)
+        fields = ImageTextFields(self.image_field, self.text_field, self.prompt_field, self.prompt)
+        options = {
+            "tokenizer": tokenizer,
+            "processor": self.processor,
+            "fields": [self.image_field, self.text_field, self.prompt_field, self.prompt],
+            "image_size": pixels.pixel_shape[-1] if isinstance(pixels, ProcessorInputs) else pixels.shape[-1],
+            "resize_mode": self.resize_mode,
+            "transform": transform_name(self.transform),
+            "max_text_len": seq_len,
+            "num_image_tokens": labels.num_image_tokens,
+        }
+
+        def samples(dataset: Any, split: RowSplit, split_name: str) -> ImageTextSamples:
+            details = {**options, "data": dataset._fingerprint, "split": split_name, "rows": [split.first, len(split)]}
+            where = f"{self.path}:{split_name}"
+            return ImageTextSamples(dataset, split, fields, pixels, labels, self.on_bad_sample, where, details)
+
+        train = self._dataset(self.split)
+        n = len(train)
+        if self.val_split is not None:
+            val = self._dataset(self.val_split)
+            return samples(train, RowSplit(n), self.split), samples(val, RowSplit(len(val)), self.val_split)
+        if self.val_fraction == 0:
+            return samples(train, RowSplit(n), self.split), None
+        held_out = math.ceil(n * self.val_fraction)
+        if held_out >= n:
+            raise ValueError(f"val_fraction={self.val_fraction} of {n} rows leaves no training rows")
+        return (
+            samples(train, RowSplit(n, held_out, shuffled=True), self.split),
+            samples(train, RowSplit(n, 0, held_out, shuffled=True), f"{self.split}[held out]"),
+        )

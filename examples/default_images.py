@@ -1,0 +1,82 @@
+"""The embedded default image-text corpus: pictures of coloured shapes with their captions, drawn
+locally (an ``imagefolder`` with ``metadata.jsonl``), and a tokenizer for them."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
+BACKGROUNDS = {"white": (245, 245, 245), "black": (20, 20, 20), "grey": (128, 128, 128)}
+SHAPES = ("circle", "square", "triangle")
+PROMPT = "What is in the picture?"
+SPECIAL_TOKENS = {"eos_token": "<eos>", "pad_token": "<pad>", "image_token": "<image>"}
+
+
+def draw_shape(shape: str, color: str, background: str, size: tuple[int, int], rng: random.Random) -> Image.Image:
+    """One picture: ``shape`` in ``color`` on ``background``, at a random place and scale."""
+    image = Image.new("RGB", size, BACKGROUNDS[background])
+    w, h = size
+    side = rng.randint(min(w, h) // 3, min(w, h) * 2 // 3)
+    x, y = rng.randint(0, w - side), rng.randint(0, h - side)
+    box = (x, y, x + side, y + side)
+    draw = ImageDraw.Draw(image)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLORS[color])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLORS[color])
+    else:
+        draw.polygon([(x, y + side), (x + side, y + side), (x + side // 2, y)], fill=COLORS[color])
+    return image
+
+
+def write_shape_images(directory: Path, count: int, size: tuple[int, int] = (96, 72), seed: int = 0) -> Path:
+    """``count`` pictures (PNG and JPEG in turn) and their ``metadata.jsonl`` (``text``, ``prompt``)."""
+    if (directory / "metadata.jsonl").exists():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        shape, color, background = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.choice(list(BACKGROUNDS))
+        name = f"{i:05d}.{'png' if i % 2 else 'jpg'}"
+        draw_shape(shape, color, background, size, rng).save(directory / name)
+        rows.append({"file_name": name, "text": f"a {color} {shape} on a {background} background", "prompt": PROMPT})
+    (directory / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return directory
+
+
+def train_caption_tokenizer(texts: list[str], directory: Path, vocab_size: int = 512) -> Path:
+    """A byte-level BPE tokenizer of ``texts`` with EOS, pad and image tokens, saved as a
+    ``PreTrainedTokenizerFast``."""
+    if (directory / "tokenizer.json").exists():
+        return directory
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    image_token = SPECIAL_TOKENS["image_token"]
+    specials = {k: v for k, v in SPECIAL_TOKENS.items() if k != "image_token"}
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, **specials, extra_special_tokens={"image_token": image_token}
+    )
+    fast.save_pretrained(directory)
+    return directory
+
+
+def build_default_images(workdir: Path, count: int = 2000) -> tuple[Path, Path]:
+    """The quickstart's image folder and its tokenizer, under ``workdir``."""
+    images = write_shape_images(workdir / "shapes", count)
+    rows = [json.loads(line) for line in (images / "metadata.jsonl").read_text().splitlines()]
+    tokenizer = train_caption_tokenizer([f"{r['prompt']} {r['text']}" for r in rows], workdir / "caption_tokenizer")
+    return images, tokenizer
