@@ -16,18 +16,21 @@ from pathlib import Path
 from datamodules.cli import main as cli_main
 from datamodules.text.prepare import prepare
 from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
+from examples.default_images import build_default_images
 
 log = logging.getLogger("quickstart")
 WORKDIR = Path(".cache/quickstart")
 
 
-def build_shards(workdir: Path) -> None:
-    """Two sources, as the configs name them: ``shards_stdlib`` and ``shards_pydoc``."""
+def build_inputs(workdir: Path) -> None:
+    """What the configs name: token shards ``shards_stdlib`` and ``shards_pydoc``, the pydoc topic
+    files and their tokenizer, and the ``shapes`` pictures with their caption tokenizer."""
     corpus = {"stdlib": stdlib_sources(), "pydoc": write_pydoc_topics(workdir / "pydoc_topics")}
     log.info("default corpus: %s documents", {name: len(files) for name, files in corpus.items()})
     tokenizer = train_tokenizer([f for files in corpus.values() for f in files], workdir / "tokenizer")
     for name, files in corpus.items():
         prepare([str(f) for f in files], workdir / f"shards_{name}", str(tokenizer))
+    build_default_images(workdir)
 
 
 def loss_curve(log_dir: str) -> list[float]:
@@ -47,16 +50,17 @@ def cli_arguments(argv: list[str] | None = None) -> list[str]:
 def main() -> None:
     arguments = cli_arguments()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    build_shards(WORKDIR)
+    build_inputs(WORKDIR)
     cli = cli_main(arguments, run=False)
     trainer, dm = cli.trainer, cli.datamodule
     started = time.perf_counter()
     trainer.fit(cli.model, datamodule=dm)
     seconds = time.perf_counter() - started
-    tokens = dm.positions_consumed * dm.seq_len
+    samples = dm.positions_consumed
+    tokens = samples * getattr(dm, "seq_len", getattr(dm, "max_text_len", 0))
     losses = loss_curve(trainer.logger.log_dir)
-    print(f"\ntrained {trainer.global_step} steps, {tokens:,} tokens in {seconds:.1f} s")
-    print(f"throughput: {tokens / seconds:,.0f} tokens/s")
+    print(f"\ntrained {trainer.global_step} steps, {samples:,} samples ({tokens:,} tokens) in {seconds:.1f} s")
+    print(f"throughput: {samples / seconds:,.1f} samples/s, {tokens / seconds:,.0f} tokens/s")
     if losses:
         print(f"train loss: start {losses[0]:.3f} -> end {losses[-1]:.3f}")
     print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path}")

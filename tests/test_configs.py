@@ -11,6 +11,7 @@ import pytest
 
 from datamodules.cli import main
 from examples.default_corpus import train_tokenizer
+from examples.default_images import build_default_images
 from tests.support import make_token_shards
 
 REPO = Path(__file__).parent.parent
@@ -18,7 +19,8 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 
 def quickstart_inputs() -> None:
-    """What the quickstart leaves in ``.cache/quickstart``: shards, pydoc topic files and a tokenizer."""
+    """What the quickstart leaves in ``.cache/quickstart``: shards, pydoc topic files and a tokenizer,
+    pictures and a caption tokenizer."""
     for name in ("stdlib", "pydoc"):
         make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
     topics = Path(".cache/quickstart/pydoc_topics")
@@ -28,6 +30,11 @@ def quickstart_inputs() -> None:
             f"Topic {i}. " + "The while statement repeats a block. " * (i + 3)
         )
     train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
+    build_default_images(Path(".cache/quickstart"), count=60)
+
+
+# Text configs train on 16-token sequences here; an image-text sample keeps its prompt and placeholders.
+SHORTER = {"image_text": []}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -42,7 +49,7 @@ def test_config_fits_a_few_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             "--trainer.max_steps=4",
             "--trainer.val_check_interval=4",
             "--trainer.enable_progress_bar=false",
-            "--data.init_args.seq_len=16",
+            *SHORTER.get(config.stem, ["--data.init_args.seq_len=16"]),
         ]
     )
     assert cli.trainer.global_step == 4

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import SamplePlan
 
 RankZero = Callable[[Callable[[], Any]], Any]
@@ -31,6 +32,10 @@ class Source(Protocol):
     def __len__(self) -> int: ...
 
     def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    # A source with ``uses_sample_keys = True`` gets ``fetch(indices, keys)``: one uint64 per sample,
+    # a pure function of (seed, plan position), from which it draws any random choice (augmentation),
+    # so a sample looks the same on every run, with any worker count, and after resume.
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]: ...
 
@@ -75,12 +80,18 @@ class PlanDataset(Dataset):
         first, stop = span[:2]
         limit = span[2] if len(span) > 2 else self.limit
         if limit is None:
-            return self.source.fetch(self._indices(first, stop))
+            return self._fetch(self._indices(first, stop), first)
         valid = np.arange(first, stop) < limit
         indices = np.zeros(stop - first, dtype=np.int64)
         real = int(valid.sum())
         indices[:real] = self._indices(first, first + real)
-        return {**self.source.fetch(indices), "valid": valid}
+        return {**self._fetch(indices, first), "valid": valid}
+
+    def _fetch(self, indices: np.ndarray, first: int) -> dict[str, np.ndarray]:
+        if not getattr(self.source, "uses_sample_keys", False):
+            return self.source.fetch(indices)
+        positions = np.arange(first, first + len(indices), dtype=np.uint64)
+        return self.source.fetch(indices, mix64(positions ^ mix64(np.array([self.plan.seed], dtype=np.uint64))))
 
 
 def keep_raw(raw: Any) -> Any:

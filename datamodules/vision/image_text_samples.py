@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from datamodules.plan.permutation import permute, round_keys
+from datamodules.plan.randomness import seeded
 from datamodules.vision.bad_samples import BadSampleLog, sample_or_replacement
 from datamodules.vision.images import BadSample, ImagePixels, read_image
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
@@ -60,6 +62,7 @@ class ImageTextSamples:
     """
 
     batches_per_message = 1  # a decoded batch is worth a message of its own between processes
+    uses_sample_keys = True  # a user's random transform draws from the sample's plan key
 
     def __init__(
         self,
@@ -106,7 +109,7 @@ class ImageTextSamples:
         path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
         return f"{self.name} row {row}" + (f" (image {path})" if path else "")
 
-    def _image(self, value: Any) -> np.ndarray:
+    def _image(self, value: Any, key: int) -> np.ndarray:
         if isinstance(value, dict):
             data, path = value.get("bytes"), value.get("path")
         elif isinstance(value, (bytes, bytearray)):
@@ -117,9 +120,11 @@ class ImageTextSamples:
             raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
         if isinstance(self.pixels, ProcessorInputs):
             return self.pixels.pixels(read_image(data, path))
-        return self.pixels(read_image(data, path, self.pixels.draft_size))
+        image = read_image(data, path, self.pixels.draft_size)
+        with seeded(key):
+            return self.pixels(image)
 
-    def _read(self, index: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _read(self, index: int, key: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         row = self.dataset[int(self.split.rows(np.array([index]))[0])]
         fields = self.fields
         answer = text_value(row[fields.text], fields.text)
@@ -127,14 +132,16 @@ class ImageTextSamples:
         text, bad = self.labels.encode([prompt], [answer])
         if bad:
             raise BadSample(bad[0])
-        return self._image(row[fields.image]), {key: value[0] for key, value in text.items()}
+        return self._image(row[fields.image], key), {name: value[0] for name, value in text.items()}
 
-    def fetch(self, indices: np.ndarray) -> dict[str, Any]:
+    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
         skipped: list[tuple[str, str]] = []
         try:
             samples = [
-                sample_or_replacement(i, len(self), self._read, self.describe, self.on_bad_sample, skipped)
-                for i in np.asarray(indices).tolist()
+                sample_or_replacement(
+                    i, len(self), partial(self._read, key=key), self.describe, self.on_bad_sample, skipped
+                )
+                for i, key in zip(np.asarray(indices).tolist(), np.asarray(keys).tolist(), strict=True)
             ]
         except BadSample as err:  # raised in the main process by to_batch, as one message
             return {"error": str(err)}
@@ -163,6 +170,7 @@ class JoinedImageTextSamples:
     each sample is read, and replaced if bad, within its own source."""
 
     batches_per_message = 1
+    uses_sample_keys = True
 
     def __init__(self, parts: list[ImageTextSamples]) -> None:
         keys = {p.shape_key for p in parts}
@@ -179,14 +187,14 @@ class JoinedImageTextSamples:
     def __len__(self) -> int:
         return int(self._ends[-1])
 
-    def fetch(self, indices: np.ndarray) -> dict[str, Any]:
+    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
         indices = np.asarray(indices, dtype=np.int64)
         which = np.searchsorted(self._ends, indices, side="right")
         starts = np.concatenate([[0], self._ends[:-1]])
         order, pieces = [], []
         for part in np.unique(which).tolist():
             at = np.flatnonzero(which == part)
-            raw = self.parts[part].fetch(indices[at] - starts[part])
+            raw = self.parts[part].fetch(indices[at] - starts[part], keys[at])
             if "error" in raw:
                 return raw
             order.append(at)

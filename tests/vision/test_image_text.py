@@ -170,6 +170,29 @@ def test_a_user_transform_replaces_ours(tmp_path: Path, tokenizer: str) -> None:
         next(iter(ready(make_dm(folder, tokenizer, transform=wrong)).train_dataloader()))
 
 
+def test_a_random_user_transform_draws_the_same_values_with_any_worker_count(tmp_path: Path, tokenizer: str) -> None:
+    folder = image_folder(tmp_path / "images", 8)
+    augment = v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(SIZE, antialias=True)])
+
+    def epochs(workers: int, seed: int) -> list[dict[tuple, torch.Tensor]]:
+        """Per epoch, each sample's pixels by its tokens."""
+        torch.manual_seed(seed)  # the global seed (a worker's seed derives from it) does not matter
+        dm = ready(make_dm(folder, tokenizer, transform=augment, num_workers=workers, batch_size=4))
+        return [
+            {
+                tuple(ids): px
+                for b in dm.train_dataloader()
+                for ids, px in zip(b["input_ids"].tolist(), b["pixel_values"], strict=True)
+            }
+            for _ in range(2)
+        ]
+
+    first, again = epochs(0, 1), epochs(2, 2)
+    for ours, theirs in zip(first, again, strict=True):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert all(not torch.equal(first[0][k], first[1][k]) for k in first[0]), "a new pass draws new crops"
+
+
 def llava_processor(root: Path, tokenizer: str) -> Path:
     """A LLaVA processor (CLIP image processor, our tokenizer, a chat template), made from a config."""
     template = (

@@ -51,7 +51,8 @@ def source_rows(data: tuple[Path, str], val_fraction: float) -> tuple[Counter, C
     for i, samples in enumerate(source.build(TEXT_LEN, False)):
         if samples is None:
             continue
-        ids = torch.from_numpy(samples.fetch(np.arange(len(samples)))["input_ids"].astype(np.int64))
+        keys = np.zeros(len(samples), dtype=np.uint64)
+        ids = torch.from_numpy(samples.fetch(np.arange(len(samples)), keys)["input_ids"].astype(np.int64))
         out[i] = Counter(row_digest(row) for row in ids)
     return out[0], out[1]
 

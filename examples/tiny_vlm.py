@@ -1,0 +1,88 @@
+"""A tiny randomly initialised vision-language model (a patch encoder feeding a HuggingFace Llama)
+that trains on our image-text batches: image embeddings go in at ``image_positions``."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from examples.tiny_lm import causal_lm_loss
+
+
+class PatchEncoder(torch.nn.Module):
+    """Non-overlapping ``patch_size`` patches to ``hidden_size`` vectors, plus learned positions."""
+
+    def __init__(self, image_size: int, patch_size: int, hidden_size: int) -> None:
+        super().__init__()
+        if image_size % patch_size:
+            raise ValueError(f"image_size={image_size} must be a multiple of patch_size={patch_size}")
+        self.num_patches = (image_size // patch_size) ** 2
+        self.patches = torch.nn.Conv2d(3, hidden_size, kernel_size=patch_size, stride=patch_size)
+        self.positions = torch.nn.Parameter(torch.zeros(1, self.num_patches, hidden_size))
+        self.mlp = torch.nn.Sequential(torch.nn.GELU(), torch.nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.patches(pixel_values).flatten(2).transpose(1, 2) + self.positions)
+
+
+class TinyVLM(LightningModule):
+    """A patch encoder whose outputs replace the token embeddings at ``image_positions`` of a small Llama.
+
+    Args:
+        vocab_size: must cover the tokenizer's ids.
+        hidden_size: model width. num_layers: decoder layers. num_heads: attention heads.
+        max_seq_len: longest sequence (the DataModule's ``max_text_len``).
+        image_size: pixels per side. patch_size: pixels per patch side; the DataModule's
+            ``num_image_tokens`` must be ``(image_size // patch_size) ** 2``.
+        learning_rate: AdamW learning rate.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        max_seq_len: int = 64,
+        image_size: int = 64,
+        patch_size: int = 16,
+        learning_rate: float = 3e-3,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.vision = PatchEncoder(image_size, patch_size, hidden_size)
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 4,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            max_position_embeddings=max_seq_len,
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(batch["input_ids"])
+        features = self.vision(batch["pixel_values"])
+        positions = batch["image_positions"]
+        if positions.shape[1] != features.shape[1]:
+            raise ValueError(
+                f"the batch has {positions.shape[1]} image positions but the encoder gives {features.shape[1]} "
+                "patches: set the DataModule's num_image_tokens to (image_size // patch_size) ** 2"
+            )
+        index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
+        embeds = embeds.scatter(1, index, features.to(embeds.dtype))
+        return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = causal_lm_loss(self(batch), batch["labels"])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", causal_lm_loss(self(batch), batch["labels"]), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
