@@ -124,7 +124,8 @@ class PromptAnswerLabels:
             full = (prompt + answer + [self.eos_id])[:length]
             input_ids[row, : len(full)] = full
             attention[row, : len(full)] = True
-            labels[row, len(prompt) - 1 : len(full) - 1] = full[len(prompt) :]
+            first = max(len(prompt), 1)  # with no prompt at all, the first answer token has no predecessor
+            labels[row, first - 1 : len(full) - 1] = full[first:]
             positions[row] = start + steps
         return {
             "input_ids": input_ids,

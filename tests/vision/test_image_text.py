@@ -266,6 +266,14 @@ def test_truncation_cuts_the_answer_never_the_placeholders(tokenizer: str) -> No
     assert "leaving no room for the answer in max_text_len=8" in bad[0]
 
 
+def test_a_caption_alone_labels_every_token_after_its_first(tokenizer: str) -> None:
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    out, _ = PromptAnswerLabels(tok, "t", 16, 0, tok.pad_token_id).encode([""], ["picture 3 shows"])
+    answer = tok("picture 3 shows", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert out["input_ids"][0, : len(answer)].tolist() == answer
+    assert out["labels"][0].tolist() == answer[1:] + [-100] * (16 - len(answer) + 1)
+
+
 def test_image_tokens_are_never_targets(tmp_path: Path, tokenizer: str) -> None:
     folder = image_folder(tmp_path / "images", 8, prompts=False)
     dm = ready(make_dm(folder, tokenizer, prompt_field=None, image_token="<image>", batch_size=8))
