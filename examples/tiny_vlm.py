@@ -4,10 +4,8 @@ that trains on our image-text batches: image embeddings go in at ``image_positio
 from __future__ import annotations
 
 import torch
-from lightning.pytorch import LightningModule
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from examples.tiny_lm import causal_lm_loss
+from examples.tiny_lm import TinyCausalLM
 
 
 class PatchEncoder(torch.nn.Module):
@@ -26,16 +24,15 @@ class PatchEncoder(torch.nn.Module):
         return self.mlp(self.patches(pixel_values).flatten(2).transpose(1, 2) + self.positions)
 
 
-class TinyVLM(LightningModule):
-    """A patch encoder whose outputs replace the token embeddings at ``image_positions`` of a small Llama.
+class TinyVLM(TinyCausalLM):
+    """``TinyCausalLM`` whose token embeddings at ``image_positions`` are replaced by a patch
+    encoder's outputs; training, validation and the optimizer are the LM's.
 
     Args:
-        vocab_size: must cover the tokenizer's ids.
-        hidden_size: model width. num_layers: decoder layers. num_heads: attention heads.
+        vocab_size, hidden_size, num_layers, num_heads, learning_rate: see ``TinyCausalLM``.
         max_seq_len: longest sequence (the DataModule's ``max_text_len``).
         image_size: pixels per side. patch_size: pixels per patch side; the DataModule's
             ``num_image_tokens`` must be ``(image_size // patch_size) ** 2``.
-        learning_rate: AdamW learning rate.
     """
 
     def __init__(
@@ -49,19 +46,8 @@ class TinyVLM(LightningModule):
         patch_size: int = 16,
         learning_rate: float = 3e-3,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(vocab_size, hidden_size, num_layers, num_heads, max_seq_len, learning_rate)
         self.vision = PatchEncoder(image_size, patch_size, hidden_size)
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 4,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_heads,
-            max_position_embeddings=max_seq_len,
-        )
-        self.model = LlamaForCausalLM(config)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         embeds = self.model.get_input_embeddings()(batch["input_ids"])
@@ -75,14 +61,3 @@ class TinyVLM(LightningModule):
         index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
         embeds = embeds.scatter(1, index, features.to(embeds.dtype))
         return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = causal_lm_loss(self(batch), batch["labels"])
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.log("val_loss", causal_lm_loss(self(batch), batch["labels"]), prog_bar=True, sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)
