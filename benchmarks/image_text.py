@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -51,15 +53,24 @@ def photo(i: int, size: tuple[int, int]) -> Image.Image:
     return image
 
 
-def write_photos(directory: Path, count: int, size: tuple[int, int]) -> Path:
-    """An imagefolder of ``count`` JPEGs (quality 90) with captions, kept if it is already there."""
+def write_photos(directory: Path, count: int, distinct: int, size: tuple[int, int]) -> Path:
+    """An imagefolder of ``count`` JPEGs (quality 90) with captions, kept if it is already there.
+
+    Only ``distinct`` pictures are drawn (a 1080p picture takes half a second); file ``i`` is a hard
+    link to picture ``i % distinct``. The rows still make an epoch long enough that the loaders'
+    pipeline drain at each epoch end does not weigh on the numbers."""
     if (directory / "metadata.jsonl").exists() and len(list(directory.glob("*.jpg"))) == count:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     rows = []
     for i in range(count):
-        photo(i, size).save(directory / f"{i:05d}.jpg", quality=90)
+        path = directory / f"{i:05d}.jpg"
+        path.unlink(missing_ok=True)
+        if i < distinct:
+            photo(i, size).save(path, quality=90)
+        else:
+            os.link(directory / f"{i % distinct:05d}.jpg", path)
         caption = f"a photo of {' and '.join(rng.sample(list(COLORS), 2))} circles on a gradient, number {i}"
         rows.append({"file_name": f"{i:05d}.jpg", "text": caption})
     (directory / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -104,6 +115,32 @@ def floor_speed(decode: Callable[[bytes], Any], images: list[bytes], seconds: fl
     return count / (time.perf_counter() - started)
 
 
+def floor_in_process(name: str, size: int, paths: list[Path], seconds: float, start: Any, speeds: Any) -> None:
+    """One of the floor processes running at once (spawned: a fresh interpreter, one torch thread)."""
+    torch.set_num_threads(1)
+    images = [p.read_bytes() for p in paths]
+    decode = floors(size)[name]
+    decode(images[0])
+    start.wait()
+    speeds.put(floor_speed(decode, images, seconds))
+
+
+def floor_in_processes(name: str, size: int, paths: list[Path], seconds: float, processes: int) -> float:
+    """Images/s of ``processes`` floor loops running at once, summed: what the cores give together."""
+    context = multiprocessing.get_context("spawn")
+    start, speeds = context.Barrier(processes), context.Queue()
+    workers = [
+        context.Process(target=floor_in_process, args=(name, size, paths, seconds, start, speeds))
+        for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    total = sum(speeds.get() for _ in workers)
+    for worker in workers:
+        worker.join()
+    return total
+
+
 class PlainImageFolder(Dataset):
     """What a hand-rolled loader does: PIL decode, resize, crop, ``ToTensor``, ``Normalize``, per file."""
 
@@ -131,7 +168,8 @@ def one_thread_worker(_: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--num-images", type=int, default=300)
+    parser.add_argument("--num-images", type=int, default=1200, help="rows (an epoch)")
+    parser.add_argument("--distinct-images", type=int, default=300, help="pictures drawn (rows share them)")
     parser.add_argument("--width", type=int, default=1920)
     parser.add_argument("--height", type=int, default=1080)
     parser.add_argument("--image-size", type=int, default=384)
@@ -141,14 +179,15 @@ def main() -> None:
     add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
-        args.num_images, args.width, args.height, args.rounds, args.seconds = 24, 320, 180, 1, 0.5
+        args.num_images, args.distinct_images, args.width, args.height = 24, 12, 320, 180
+        args.rounds, args.seconds = 1, 0.5
         args.image_size, args.batch_size = 64, 4
     torch.set_num_threads(1)
     from datamodules import ImageTextDataModule
 
     with data_directory(args.data_dir) as directory:
-        folder = write_photos(directory / "photos", args.num_images, (args.width, args.height))
-        paths = sorted(folder.glob("*.jpg"))
+        folder = write_photos(directory / "photos", args.num_images, args.distinct_images, (args.width, args.height))
+        paths = sorted(folder.glob("*.jpg"))[: args.distinct_images]
         warm_page_cache(paths)
         images = [p.read_bytes() for p in paths]
         captions = [json.loads(line)["text"] for line in (folder / "metadata.jsonl").read_text().splitlines()]
@@ -170,32 +209,39 @@ def main() -> None:
             )  # fmt: skip
             loaders[f"plain ImageFolder-style DataLoader, num_workers={workers}"] = endless(lambda p=plain: p)
         decoders = floors(args.image_size)
-        speeds: dict[str, list[float]] = {name: [] for name in [*decoders, *loaders]}
+        together = {f"{name}, 2 processes at once": name for name in decoders}
+        speeds: dict[str, list[float]] = {name: [] for name in [*decoders, *together, *loaders]}
         for _ in range(args.rounds):  # alternating, so drift hits all alike
             for name, decode in decoders.items():
                 speeds[name].append(floor_speed(decode, images, args.seconds))
+            for name, decoder in together.items():
+                speeds[name].append(floor_in_processes(decoder, args.image_size, paths, args.seconds, 2))
             for name, batches in loaders.items():
-                speeds[name].append(throughput(batches, args.batch_size, 2, args.seconds)["tokens/s"])
+                speeds[name].append(throughput(batches, args.batch_size, 8, args.seconds)["tokens/s"])
     median = {name: statistics.median(v) for name, v in speeds.items()}
     floor_name = max(decoders, key=median.get)
-    floor = median[floor_name]
+    floor = median[floor_name]  # per core, one process alone
+    floor_together = median[f"{floor_name}, 2 processes at once"] / 2  # per core, both cores busy
     rows = []
     for name, speed in median.items():
-        workers = 2 if name.endswith("num_workers=2") else 1
+        cores = 2 if name.endswith(("num_workers=2", "at once")) else 1
         rows.append(
             {
                 "contender": name,
                 "images/s": speed,
-                "per core": speed / workers,
-                "of the floor per core": speed / workers / floor,
+                "per core": speed / cores,
+                "of the floor alone": speed / cores / floor,
+                "of the floor on as many cores": speed / cores / (floor if cores == 1 else floor_together),
             }
         )
     ours0, ours2 = median["ImageTextDataModule, num_workers=0"], median["ImageTextDataModule, num_workers=2"]
     plain0 = median["plain ImageFolder-style DataLoader, num_workers=0"]
     plain2 = median["plain ImageFolder-style DataLoader, num_workers=2"]
     checks = {
-        f"num_workers=0 >= 0.8 of the floor ({floor_name}) per process ({ours0 / floor:.2f})": ours0 >= 0.8 * floor,
-        f"num_workers=2 >= 0.8 of the floor per worker process ({ours2 / 2 / floor:.2f})": ours2 / 2 >= 0.8 * floor,
+        f"num_workers=0 >= 0.8 of the floor ({floor_name}) in one process ({ours0 / floor:.2f})": ours0 >= 0.8 * floor,
+        "num_workers=2 >= 0.8 of the floor run in 2 processes at once, per process "
+        f"({ours2 / 2 / floor_together:.2f}; {ours2 / 2 / floor:.2f} of the floor alone)": ours2 / 2
+        >= 0.8 * floor_together,
         f">= 70 images/s per core ({ours0:.0f} at workers 0, {ours2 / 2:.0f} per worker at 2)": min(ours0, ours2 / 2)
         >= 70,
         f">= 2x the plain loader ({ours0 / plain0:.2f}x at workers 0, {ours2 / plain2:.2f}x at 2)": min(
@@ -208,12 +254,13 @@ def main() -> None:
         {
             f"{args.width}x{args.height} JPEG to {args.image_size}x{args.image_size}, batch {args.batch_size}, "
             f"medians of {args.rounds} rounds": (
-                ["contender", "images/s", "per core", "of the floor per core"],
+                ["contender", "images/s", "per core", "of the floor alone", "of the floor on as many cores"],
                 rows,
             )
         },
         {
             "num_images": args.num_images,
+            "distinct_images": args.distinct_images,
             "size": f"{args.width}x{args.height}",
             "mean_jpeg_kb": round(sum(map(len, images)) / len(images) / 1024),
             "image_size": args.image_size,

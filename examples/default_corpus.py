@@ -36,19 +36,25 @@ def write_pydoc_topics(directory: Path) -> list[Path]:
     return paths
 
 
-def train_tokenizer(files: list[Path], directory: Path, vocab_size: int = 4096) -> Path:
-    """A byte-level BPE tokenizer trained on ``files``, saved as a ``PreTrainedTokenizerFast``."""
-    if (directory / "tokenizer.json").exists():
-        return directory
+def byte_level_bpe(vocab_size: int, special_tokens: list[str]) -> tuple[Tokenizer, trainers.BpeTrainer]:
+    """An untrained byte-level BPE tokenizer and its trainer (``special_tokens`` first in the vocabulary)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=True,
     )
+    return tokenizer, trainer
+
+
+def train_tokenizer(files: list[Path], directory: Path, vocab_size: int = 4096) -> Path:
+    """A byte-level BPE tokenizer trained on ``files``, saved as a ``PreTrainedTokenizerFast``."""
+    if (directory / "tokenizer.json").exists():
+        return directory
+    tokenizer, trainer = byte_level_bpe(vocab_size, [EOS])
     tokenizer.train([str(f) for f in files], trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS).save_pretrained(directory)
     return directory

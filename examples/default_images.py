@@ -8,8 +8,9 @@ import random
 from pathlib import Path
 
 from PIL import Image, ImageDraw
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from examples.default_corpus import byte_level_bpe
 
 COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
 BACKGROUNDS = {"white": (245, 245, 245), "black": (20, 20, 20), "grey": (128, 128, 128)}
@@ -56,14 +57,7 @@ def train_caption_tokenizer(texts: list[str], directory: Path, vocab_size: int =
     ``PreTrainedTokenizerFast``."""
     if (directory / "tokenizer.json").exists():
         return directory
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    tokenizer, trainer = byte_level_bpe(vocab_size, list(SPECIAL_TOKENS.values()))
     tokenizer.train_from_iterator(texts, trainer)
     image_token = SPECIAL_TOKENS["image_token"]
     specials = {k: v for k, v in SPECIAL_TOKENS.items() if k != "image_token"}

@@ -146,7 +146,11 @@ class ImagePixels:
 
     def to_tensor(self, pixels: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` ``[B, 3, H, W]`` float32 from a stacked batch of uint8 ``__call__`` outputs."""
-        # Into a fresh float tensor by copy_: ``pixels.float()`` on an array unpickled from a worker
+        # One image at a time, into a fresh float tensor by copy_: the three passes then stay in cache
+        # (a whole batch is tens of MB); ``pixels.float()`` on an array unpickled from a worker
         # measured several times slower here.
         out = torch.empty(pixels.shape, dtype=torch.float32)
-        return out.copy_(pixels).mul_(self._scale).sub_(self._shift)
+        scale, shift = self._scale[0], self._shift[0]
+        for image, values in zip(out, pixels, strict=True):
+            image.copy_(values).mul_(scale).sub_(shift)
+        return out
