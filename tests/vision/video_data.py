@@ -1,0 +1,69 @@
+"""Clips encoded in the test with PyAV (H.264 in MP4 unless asked): frame rates, lengths, keyframe
+spacing, variable frame rate, and broken files."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+
+
+def frame_picture(i: int, size: tuple[int, int]) -> np.ndarray:
+    """Frame ``i``: a moving bar over a colour that changes with ``i``, so frames differ visibly."""
+    w, h = size
+    picture = np.zeros((h, w, 3), dtype=np.uint8)
+    picture[:] = ((i * 37) % 256, (i * 11) % 256, 255 - (i * 23) % 256)
+    x = (i * 5) % max(w - 8, 1)
+    picture[:, x : x + 8] = 255
+    return picture
+
+
+def encode_clip(
+    path: Path,
+    seconds: float,
+    fps: int = 30,
+    size: tuple[int, int] = (64, 48),
+    keyframe_every: int | None = None,
+    frame_times: list[float] | None = None,
+    faststart: bool = False,
+) -> Path:
+    """An MP4 of ``seconds`` at ``fps`` (or frames at ``frame_times``: a variable frame rate), a
+    keyframe every ``keyframe_every`` frames (default: x264's choice)."""
+    times = frame_times if frame_times is not None else [i / fps for i in range(round(seconds * fps))]
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), "w", options=options) as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        stream.time_base = Fraction(1, 1000 if frame_times is not None else fps)
+        stream.codec_context.time_base = stream.time_base
+        codec_options = {"preset": "ultrafast", "bframes": "0"} if keyframe_every is None else {}
+        if keyframe_every is not None:
+            codec_options = {"g": str(keyframe_every), "keyint_min": str(keyframe_every), "sc_threshold": "0"}
+        stream.codec_context.options = codec_options
+        for i, t in enumerate(times):
+            frame = av.VideoFrame.from_ndarray(frame_picture(i, size), format="rgb24")
+            frame.pts = round(t / stream.time_base)
+            frame.time_base = stream.time_base
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return path
+
+
+def decode_everything(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Every frame's time (seconds, from the stream's start) and RGB pixels: the reference."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        start = float((stream.start_time or 0) * stream.time_base)
+        frames = [
+            (float(f.pts * stream.time_base) - start, f.to_ndarray(format="rgb24")) for f in container.decode(stream)
+        ]
+    return np.array([t for t, _ in frames]), [p for _, p in frames]
+
+
+def nearest_reference(path: Path, timestamps: np.ndarray) -> list[np.ndarray]:
+    """The reference's frame nearest each timestamp (the earlier on a tie)."""
+    times, pictures = decode_everything(path)
+    return [pictures[int(np.argmin(np.abs(times - t)))] for t in timestamps]
