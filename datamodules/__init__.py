@@ -25,6 +25,8 @@ _EXPORTS = {
     "TokenShardDataModule": "datamodules.text.token_shard_datamodule",
     "TokenShardSource": "datamodules.text.token_shard_source",
     "TokenShards": "datamodules.text.token_shards",
+    "VideoDataModule": "datamodules.vision.video_datamodule",
+    "VideoSource": "datamodules.vision.video_source",
     "WeightedSource": "datamodules.mixture",
 }
 
@@ -42,6 +44,8 @@ __all__ = [
     "TokenShardDataModule",
     "TokenShardSource",
     "TokenShards",
+    "VideoDataModule",
+    "VideoSource",
     "WeightedSource",
 ]
 
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
     from datamodules.text.token_shards import TokenShards
     from datamodules.vision.image_text_datamodule import ImageTextDataModule
     from datamodules.vision.image_text_source import ImageTextSource
+    from datamodules.vision.video_datamodule import VideoDataModule
+    from datamodules.vision.video_source import VideoSource
 
 
 def __getattr__(name: str) -> Any:

@@ -20,9 +20,9 @@ MAX_REPLACEMENTS = 16
 T = TypeVar("T")
 
 
-def check_policy(policy: str) -> str:
-    if policy not in BAD_SAMPLE_POLICIES:
-        raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {policy!r}")
+def check_policy(policy: str, allowed: tuple[str, ...] = BAD_SAMPLE_POLICIES, option: str = "on_bad_sample") -> str:
+    if policy not in allowed:
+        raise ValueError(f"{option} must be one of {allowed}, got {policy!r}")
     return policy
 
 
@@ -62,9 +62,10 @@ def sample_or_replacement(
 class BadSampleLog:
     """Counts the samples skipped so far in this process and logs each the first time it is seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, action: str = "skipped bad sample %s (%s) for a deterministic replacement") -> None:
         self.reasons: dict[str, str] = {}
-        self.replacements = 0
+        self.replacements = 0  # samples met bad, a sample met twice counting twice
+        self.action = action
 
     def record(self, skipped: list[tuple[str, str]]) -> None:
         for sample, reason in skipped:
@@ -72,7 +73,7 @@ class BadSampleLog:
             if sample not in self.reasons:
                 self.reasons[sample] = reason
                 log.warning(
-                    "skipped bad sample %s (%s) for a deterministic replacement; %d bad samples so far",
+                    self.action + "; %d bad samples so far",
                     sample,
                     reason,
                     len(self.reasons),

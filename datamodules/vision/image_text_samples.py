@@ -15,6 +15,7 @@ from datamodules.plan.permutation import permute, round_keys
 from datamodules.plan.randomness import seeded
 from datamodules.vision.bad_samples import BadSampleLog, sample_or_replacement
 from datamodules.vision.images import BadSample, ImagePixels, read_image
+from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.vlm_processor import ProcessorInputs
 
@@ -100,8 +101,8 @@ class ImageTextSamples:
         return self.pixels.pixel_shape if isinstance(self.pixels, ProcessorInputs) else self.pixels.shape
 
     @classmethod
-    def join(cls, parts: list[ImageTextSamples]) -> JoinedImageTextSamples:
-        return JoinedImageTextSamples(parts)
+    def join(cls, parts: list[ImageTextSamples]) -> JoinedSamples:
+        return JoinedSamples(parts)
 
     def describe(self, index: int) -> str:
         row = int(self.split.rows(np.array([index]))[0])
@@ -169,47 +170,3 @@ class ImageTextSamples:
             "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
             "image_positions": torch.from_numpy(raw["image_positions"].astype(np.int64)),
         }
-
-
-class JoinedImageTextSamples:
-    """Several image-text sources one after another (how a mixture reads a batch from all of them);
-    each sample is read, and replaced if bad, within its own source."""
-
-    batches_per_message = 1
-    uses_sample_keys = True
-
-    def __init__(self, parts: list[ImageTextSamples]) -> None:
-        keys = {p.shape_key for p in parts}
-        if len(keys) != 1:
-            raise ValueError(
-                "mixed image-text sources need one max_text_len, image-token count, pixel shape and pixel "
-                f"normalization (mean/std, or processor); got {sorted(map(str, keys))}"
-            )
-        self.parts = parts
-        self._ends = np.cumsum([len(p) for p in parts])
-        self.fingerprint = "+".join(p.fingerprint for p in parts)
-        self.bad_samples = BadSampleLog()
-
-    def __len__(self) -> int:
-        return int(self._ends[-1])
-
-    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
-        indices = np.asarray(indices, dtype=np.int64)
-        which = np.searchsorted(self._ends, indices, side="right")
-        starts = np.concatenate([[0], self._ends[:-1]])
-        order, pieces = [], []
-        for part in np.unique(which).tolist():
-            at = np.flatnonzero(which == part)
-            raw = self.parts[part].fetch(indices[at] - starts[part], keys[at])
-            if "error" in raw:
-                return raw
-            order.append(at)
-            pieces.append(raw)
-        inverse = np.argsort(np.concatenate(order), kind="stable")
-        joined = {key: np.concatenate([p[key] for p in pieces])[inverse] for key in pieces[0] if key != "skipped"}
-        return {**joined, "skipped": [entry for p in pieces for entry in p["skipped"]]}
-
-    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
-        batch = self.parts[0].to_batch({**raw, "skipped": []})
-        self.bad_samples.record(raw["skipped"])
-        return batch

@@ -16,7 +16,7 @@ from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.vision.bad_samples import check_policy
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples, RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
-from datamodules.vision.prompt_labels import PromptAnswerLabels, pad_token_id
+from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs
 
 DEFAULT_IMAGE_SIZE = 224
@@ -156,11 +156,7 @@ class ImageTextSource(SourceSpec):
             template, count, pixels = inputs.template, inputs.num_image_tokens, inputs
         else:
             tokenizer = load_pretrained("tokenizer", self.tokenizer)
-            image_token_id = pad_token_id(tokenizer, self.tokenizer)
-            if self.image_token is not None:
-                image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-                if image_token_id is None or image_token_id == tokenizer.unk_token_id:
-                    raise ValueError(f"image_token {self.image_token!r} is not a token of tokenizer {self.tokenizer!r}")
+            image_token_id = placeholder_token_id(tokenizer, self.tokenizer, self.image_token)
             template, count = None, self.num_image_tokens
             pixels = ImagePixels(
                 self.image_size or DEFAULT_IMAGE_SIZE,

@@ -25,6 +25,16 @@ def pad_token_id(tokenizer: Any, name: str) -> int:
     raise ValueError(f"tokenizer {name!r} has neither a pad token nor an EOS token to pad with; set pad_token")
 
 
+def placeholder_token_id(tokenizer: Any, name: str, image_token: str | None) -> int:
+    """The id at image (or video) placeholder positions: ``image_token``'s, else the pad id."""
+    if image_token is None:
+        return pad_token_id(tokenizer, name)
+    token_id = tokenizer.convert_tokens_to_ids(image_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"image_token {image_token!r} is not a token of tokenizer {name!r}")
+    return int(token_id)
+
+
 class PromptAnswerLabels:
     """``input_ids``, ``labels``, ``attention_mask`` and ``image_positions`` of fixed length.
 

@@ -42,6 +42,7 @@ from datamodules import (  # noqa: E402
     PhaseScheduler,  # noqa: E402
     TokenShardDataModule,
     TokenShardSource,
+    VideoDataModule,
 )
 from datamodules.plan.datamodule import PlanDataModule  # noqa: E402
 from tests.support import RecordingModel, all_tokens  # noqa: E402
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
-    parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image-folder: held-out rows")
+    data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
+    parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image/video-folder: held out")
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
@@ -148,6 +150,17 @@ def main(argv: list[str] | None = None) -> None:
             num_image_tokens=2,
             image_size=8,
             load_kwargs={"data_dir": args.image_folder},
+            val_fraction=args.val_fraction,
+            **loading,
+        )
+    elif args.video_folder:
+        datamodule = VideoDataModule(
+            args.video_folder,
+            args.tokenizer,
+            max_text_len=loading.pop("seq_len"),
+            image_size=8,
+            max_frames=4,
+            frame_options={"fps": 2.0},
             val_fraction=args.val_fraction,
             **loading,
         )

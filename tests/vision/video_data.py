@@ -3,6 +3,7 @@ spacing, variable frame rate, and broken files."""
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 from pathlib import Path
 
@@ -67,3 +68,53 @@ def nearest_reference(path: Path, timestamps: np.ndarray) -> list[np.ndarray]:
     """The reference's frame nearest each timestamp (the earlier on a tie)."""
     times, pictures = decode_everything(path)
     return [pictures[int(np.argmin(np.abs(times - t)))] for t in timestamps]
+
+
+def video_caption(i: int) -> str:
+    """A caption unique to clip ``i`` (so a sample is known by its tokens)."""
+    rng = np.random.default_rng(1000 + i)
+    words = "a bar moves over red green blue light dark slowly quickly left right".split()
+    return f"clip {i} shows " + " ".join(rng.choice(words, size=2 + i % 3))
+
+
+def clip_seconds(i: int) -> float:
+    return 1.0 + (i % 4) * 0.5  # 1 to 2.5 s: uniform at 2 fps samples 2 to 5 frames
+
+
+def video_folder(root: Path, count: int, broken: dict[int, str] | None = None, fps: int = 10) -> Path:
+    """``count`` clips ``clips/{i:03d}.mp4`` under ``root`` (``broken[i]`` names a kind to write
+    instead: ``"empty"``, ``"corrupt"``, ``"audio"``, ``"cut"``) and ``captions.jsonl``."""
+    clips = root / "clips"
+    clips.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(count):
+        path = clips / f"{i:03d}.mp4"
+        kind = (broken or {}).get(i)
+        if kind is None:
+            encode_clip(path, clip_seconds(i), fps + (i % 2) * 5, size=(40, 30), keyframe_every=5)
+        else:
+            write_broken(path, kind)
+        rows.append({"video": f"clips/{i:03d}.mp4", "text": video_caption(i)})
+    (root / "captions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def write_broken(path: Path, kind: str) -> Path:
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "corrupt":
+        path.write_bytes(np.random.default_rng(0).bytes(3000))
+    elif kind == "audio":
+        with av.open(str(path), "w") as container:
+            stream = container.add_stream("aac", rate=16000)
+            for i in range(10):
+                frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = 16000, i * 1024
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode(None))
+    elif kind == "cut":  # its index (written first) promises 4 s; half the bytes remain
+        whole = encode_clip(path, 4, 10, size=(40, 30), keyframe_every=5, faststart=True).read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+    else:
+        raise ValueError(kind)
+    return path

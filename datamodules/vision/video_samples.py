@@ -1,0 +1,144 @@
+"""``VideoSamples``: the clips of one split as a plan source, decoded and tokenized in ``fetch`` (in
+the DataLoader's workers), turned into tensors per the batch contract in ``to_batch``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.vision.bad_samples import BadSampleLog
+from datamodules.vision.frame_sampling import FrameSampler
+from datamodules.vision.image_text_samples import RowSplit
+from datamodules.vision.images import BadSample, ImagePixels, ResizeImage
+from datamodules.vision.joined_samples import JoinedSamples
+from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
+from datamodules.vision.video_decoding import read_frames
+
+BROKEN_CLIP_POLICIES = ("mask", "raise")
+
+
+class VideoSamples:
+    """Clip-caption samples of ``dataset`` rows chosen by ``split``, for the sample plan.
+
+    ``fetch`` (a worker's job) reads each row, samples its timestamps (``sampler``, seeded by the
+    sample's plan key), decodes the nearest frames and tokenizes its text. A broken clip raises
+    naming its row and file, or (``on_broken_clip="mask"``) keeps its shape with no frame and no
+    loss (``frame_mask`` all False, ``labels`` all -100), counted in ``bad_samples`` and logged.
+    """
+
+    batches_per_message = 1  # a decoded batch is worth a message of its own between processes
+    uses_sample_keys = True  # random frame offsets draw from the sample's plan key
+
+    def __init__(
+        self,
+        dataset: Any,
+        split: RowSplit,
+        data_root: str,
+        sampler: FrameSampler,
+        pixels: ImagePixels,
+        labels: PromptAnswerLabels,
+        prompt: str,
+        on_broken_clip: str,
+        name: str,
+        details: dict[str, Any],
+    ) -> None:
+        self.dataset = dataset
+        self.split = split
+        self.data_root = data_root
+        self.sampler = sampler
+        self.pixels = pixels
+        self.resize = ResizeImage(pixels.shape[-1], details["resize_mode"])
+        self.labels = labels
+        self.prompt = prompt
+        self.on_broken_clip = on_broken_clip
+        self.name = name
+        self.fingerprint = f"video:{sorted(details.items())}"
+        self.vocabulary = details["tokenizer"]
+        self.bad_samples = BadSampleLog("masked broken clip %s (%s): no frames, no loss")
+        self._has = {c: c in dataset.column_names for c in ("prompt", "duration")}
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    @property
+    def shape_key(self) -> tuple[Any, ...]:
+        return (
+            self.labels.max_text_len,
+            self.labels.num_image_tokens,
+            (self.sampler.max_frames, *self.pixels.shape),
+            self.pixels.normalization,
+        )
+
+    @classmethod
+    def join(cls, parts: list[VideoSamples]) -> JoinedSamples:
+        return JoinedSamples(parts)
+
+    def _frame(self, frame: Any) -> np.ndarray:
+        picture = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+        return self.resize.resize(picture).numpy()
+
+    def _read(self, index: int, key: int) -> dict[str, Any]:
+        row_index = int(self.split.rows(np.array([index]))[0])
+        row = self.dataset[row_index]
+        path = os.path.join(self.data_root, row["video"])
+        frames_shape = (self.sampler.max_frames, *self.pixels.shape)
+        pixels = np.zeros(frames_shape, dtype=np.uint8)
+        times = np.zeros(self.sampler.max_frames, dtype=np.float64)  # exact: the frame chosen is the nearest to it
+        mask = np.zeros(self.sampler.max_frames, dtype=bool)
+        try:
+            prompt = text_value(row["prompt"], "prompt") if self._has["prompt"] else self.prompt
+            text, bad = self.labels.encode([prompt], [text_value(row["text"], "text")])
+            if bad:
+                raise BadSample(bad[0])
+            duration = row["duration"] if self._has["duration"] else None
+            timestamps, frames = read_frames(
+                path, lambda info: self.sampler.timestamps(info.duration, info.frame_rate, key), self._frame, duration
+            )
+        except BadSample as err:
+            where = f"{self.name} row {row_index} ({row['video']})"
+            if self.on_broken_clip == "raise":
+                raise BadSample(f"{where}: {err} (on_broken_clip='mask' keeps such clips with no loss)") from None
+            # The sample keeps its shape: an empty prompt and answer (real tokens, so attention has
+            # something to attend to), no frames, no loss.
+            text, _ = self.labels.encode([""], [""])
+            text["labels"][:] = IGNORE_INDEX
+            sample = {name: value[0] for name, value in text.items()}
+            return {**sample, "pixels": pixels, "timestamps": times, "frame_mask": mask, "broken": (where, str(err))}
+        n = len(frames)
+        pixels[:n] = np.stack(frames)
+        times[:n] = timestamps
+        mask[:n] = True
+        sample = {name: value[0] for name, value in text.items()}
+        return {**sample, "pixels": pixels, "timestamps": times, "frame_mask": mask, "broken": None}
+
+    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
+        try:
+            samples = [
+                self._read(i, key)
+                for i, key in zip(np.asarray(indices).tolist(), np.asarray(keys).tolist(), strict=True)
+            ]
+        except BadSample as err:  # raised in the main process by to_batch, as one message
+            return {"error": str(err)}
+        raw = {key: np.stack([s[key] for s in samples]) for key in samples[0] if key != "broken"}
+        return {**raw, "skipped": [s["broken"] for s in samples if s["broken"] is not None]}
+
+    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if "error" in raw:
+            raise BadSample(raw["error"])
+        self.bad_samples.record(raw["skipped"])
+        pixels = torch.from_numpy(raw["pixels"])
+        b, f = pixels.shape[:2]
+        return {
+            "pixel_values": self.pixels.to_tensor(pixels.view(b * f, *pixels.shape[2:])).view(pixels.shape),
+            "frame_mask": torch.from_numpy(raw["frame_mask"]),
+            "timestamps": torch.from_numpy(raw["timestamps"]),
+            "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
+            "labels": torch.from_numpy(raw["labels"].astype(np.int64)),
+            "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
+            "video_positions": torch.from_numpy(raw["image_positions"].astype(np.int64)),
+        }

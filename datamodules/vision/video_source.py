@@ -1,0 +1,142 @@
+"""``VideoSource``: clips with captions in one of the registered layouts, as a configured source
+(mixable by weight), split into training and validation samples."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from datamodules.plan.arguments import require_int
+from datamodules.plan.hf_loading import load_pretrained
+from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.vision.bad_samples import check_policy
+from datamodules.vision.frame_sampling import frame_sampler
+from datamodules.vision.image_text_samples import RowSplit
+from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
+from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
+from datamodules.vision.video_layouts import video_layout
+from datamodules.vision.video_samples import BROKEN_CLIP_POLICIES, VideoSamples
+
+
+@dataclass
+class VideoSource(SourceSpec):
+    """Video clips and their captions (or prompts and answers).
+
+    Args:
+        data_root: the folder clip paths are relative to; a manifest path that leaves it (absolute,
+            or with ``..``) is an error at setup.
+        tokenizer: a ``transformers`` tokenizer name or path.
+        dataset_type: the layout (``VIDEO_LAYOUTS``): ``"webvid"`` (CSV partitions with
+            ``videoid``, ``name``, optional ``duration``), ``"folder"`` (clips plus a captions
+            JSONL), ``"hf"`` (a HuggingFace dataset with a path column and a text column).
+        manifest: the layout's manifest: CSV file(s), the captions JSONL (default
+            ``captions.jsonl``), or the HuggingFace dataset; relative to ``data_root`` unless absolute.
+        val_manifest: a validation manifest of the same kind (for ``"hf"``: a split name); or
+        val_fraction: hold out this fraction of the clips, chosen by a fixed keyed shuffle.
+        layout_options: the layout's own settings (e.g. ``{"id_prefix_len": 3}`` for WebVid,
+            ``{"video_field": "path"}`` for ``"hf"``).
+        frame_sampling: the policy (``FRAME_SAMPLERS``): ``"uniform"`` (``fps``, ``min_frames``)
+            or ``"fixed_count"`` (``num_frames``, ``random_offset``), with its ``frame_options``.
+        max_frames: the frame axis of every batch; fewer sampled frames are masked out.
+        image_size, resize_mode, mean, std: frames resized and normalized as in ``ImageTextSource``.
+        num_video_tokens: placeholder positions for the clip's embeddings in the text (0: none).
+        image_token: the placeholders' token (default: the pad id). add_bos: start with BOS.
+        prompt: one prompt for every clip (a layout's prompt column, if given, wins).
+        on_broken_clip: ``"mask"`` (default: the sample keeps its shape with no frame and no loss,
+            counted and logged) or ``"raise"``.
+    """
+
+    data_root: str
+    tokenizer: str
+    dataset_type: str = "folder"
+    manifest: str | list[str] | None = None
+    val_manifest: str | list[str] | None = None
+    val_fraction: float = 0.0
+    layout_options: dict[str, Any] = field(default_factory=dict)
+    frame_sampling: str = "uniform"
+    frame_options: dict[str, Any] = field(default_factory=dict)
+    max_frames: int = 8
+    image_size: int = 224
+    resize_mode: str = "crop"
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    num_video_tokens: int = 0
+    image_token: str | None = None
+    add_bos: bool = False
+    prompt: str = ""
+    on_broken_clip: str = "mask"
+
+    def __post_init__(self) -> None:
+        self.data_root = str(self.data_root)
+        check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
+        require_int("image_size", self.image_size, 1)
+        require_int("num_video_tokens", self.num_video_tokens, 0)
+        if self.resize_mode not in RESIZE_MODES:
+            raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_manifest is not None and self.val_fraction > 0:
+            raise ValueError(
+                f"give val_manifest ({self.val_manifest!r}) or val_fraction ({self.val_fraction}), not both"
+            )
+        self.layout = video_layout(self.dataset_type, self.data_root, dict(self.layout_options))
+        self.manifest = self.manifest or self.layout.default_manifest
+        if self.manifest is None:
+            raise ValueError(f"dataset_type {self.dataset_type!r} needs a manifest")
+        self.sampler = frame_sampler(self.frame_sampling, self.max_frames, **self.frame_options)
+
+    def prepare(self) -> None:
+        # Reading the manifests once per node builds datasets' Arrow cache, which every rank maps.
+        self.layout.load(self.manifest)
+        if self.val_manifest is not None:
+            self.layout.load(self.val_manifest, self.manifest)
+
+    def build(
+        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+    ) -> tuple[VideoSamples, VideoSamples | None]:
+        """Training and validation samples of ``seq_len`` tokens (``max_text_len``) each."""
+        if pack_sequences:
+            raise ValueError("video samples are not packed: use pack_sequences=False")
+        tokenizer = load_pretrained("tokenizer", self.tokenizer)
+        token_id = placeholder_token_id(tokenizer, self.tokenizer, self.image_token)
+        labels = PromptAnswerLabels(
+            tokenizer, self.tokenizer, seq_len, self.num_video_tokens, token_id, None, self.add_bos
+        )
+        pixels = ImagePixels(
+            self.image_size, self.resize_mode, tuple(self.mean or CLIP_MEAN), tuple(self.std or CLIP_STD)
+        )
+        options = {
+            "tokenizer": f"{self.tokenizer}:{len(tokenizer)}",
+            "layout": [self.dataset_type, sorted(self.layout_options.items())],
+            "frames": self.sampler.describe(),
+            "image_size": self.image_size,
+            "resize_mode": self.resize_mode,
+            "normalization": pixels.normalization,
+            "max_text_len": seq_len,
+            "num_video_tokens": self.num_video_tokens,
+            "prompt": self.prompt,
+        }
+
+        def samples(dataset: Any, split: RowSplit, split_name: str) -> VideoSamples:
+            details = {**options, "data": dataset._fingerprint, "split": split_name, "rows": [split.first, len(split)]}
+            where = f"{self.manifest}:{split_name}"
+            return VideoSamples(
+                dataset, split, self.data_root, self.sampler, pixels, labels, self.prompt, self.on_broken_clip,
+                where, details,
+            )  # fmt: skip
+
+        train = self.layout.load(self.manifest)
+        n = len(train)
+        if self.val_manifest is not None:
+            val = self.layout.load(self.val_manifest, self.manifest)
+            return samples(train, RowSplit(n), "train"), samples(val, RowSplit(len(val)), "validation")
+        if self.val_fraction == 0:
+            return samples(train, RowSplit(n), "train"), None
+        held_out = math.ceil(n * self.val_fraction)
+        if held_out >= n:
+            raise ValueError(f"val_fraction={self.val_fraction} of {n} clips leaves no training clips")
+        return (
+            samples(train, RowSplit(n, held_out, shuffled=True), "train"),
+            samples(train, RowSplit(n, 0, held_out, shuffled=True), "train[held out]"),
+        )
