@@ -17,6 +17,7 @@ from datamodules.cli import main as cli_main
 from datamodules.text.prepare import prepare
 from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
 from examples.default_images import build_default_images
+from examples.default_videos import build_default_videos
 
 log = logging.getLogger("quickstart")
 WORKDIR = Path(".cache/quickstart")
@@ -24,13 +25,15 @@ WORKDIR = Path(".cache/quickstart")
 
 def build_inputs(workdir: Path) -> None:
     """What the configs name: token shards ``shards_stdlib`` and ``shards_pydoc``, the pydoc topic
-    files and their tokenizer, and the ``shapes`` pictures with their caption tokenizer."""
+    files and their tokenizer, the ``shapes`` pictures with their caption tokenizer, and the
+    ``moving_shapes`` clips with theirs."""
     corpus = {"stdlib": stdlib_sources(), "pydoc": write_pydoc_topics(workdir / "pydoc_topics")}
     log.info("default corpus: %s documents", {name: len(files) for name, files in corpus.items()})
     tokenizer = train_tokenizer([f for files in corpus.values() for f in files], workdir / "tokenizer")
     for name, files in corpus.items():
         prepare([str(f) for f in files], workdir / f"shards_{name}", str(tokenizer))
     build_default_images(workdir)
+    build_default_videos(workdir)
 
 
 def loss_curve(log_dir: str) -> list[float]:

@@ -61,3 +61,48 @@ class TinyVLM(TinyCausalLM):
         index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
         embeds = embeds.scatter(1, index, features.to(embeds.dtype))
         return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+
+
+class TinyVideoLM(TinyVLM):
+    """``TinyVLM`` for clips: each frame through the patch encoder, its patches averaged to one
+    vector, plus a learned frame-position vector; the ``max_frames`` vectors go in at
+    ``video_positions`` (a masked frame gives zeros), so the LM reads the frames in order.
+
+    Args:
+        vocab_size, hidden_size, num_layers, num_heads, max_seq_len, image_size, patch_size,
+            learning_rate: see ``TinyVLM``.
+        max_frames: the DataModule's ``max_frames``, which is also its ``num_video_tokens``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        max_seq_len: int = 40,
+        image_size: int = 32,
+        patch_size: int = 8,
+        max_frames: int = 4,
+        learning_rate: float = 3e-3,
+    ) -> None:
+        super().__init__(
+            vocab_size, hidden_size, num_layers, num_heads, max_seq_len, image_size, patch_size, learning_rate
+        )
+        self.frame_positions = torch.nn.Parameter(torch.zeros(1, max_frames, hidden_size))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(batch["input_ids"])
+        pixels = batch["pixel_values"]  # [B, F, 3, H, W]
+        b, f = pixels.shape[:2]
+        features = self.vision(pixels.flatten(0, 1)).mean(1).view(b, f, -1) + self.frame_positions[:, :f]
+        features = features * batch["frame_mask"].unsqueeze(-1).to(features.dtype)
+        positions = batch["video_positions"]
+        if positions.shape[1] != f:
+            raise ValueError(
+                f"the batch has {positions.shape[1]} video positions for {f} frames: set the DataModule's "
+                "num_video_tokens to its max_frames"
+            )
+        index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
+        embeds = embeds.scatter(1, index, features.to(embeds.dtype))
+        return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits

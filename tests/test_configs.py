@@ -12,6 +12,7 @@ import pytest
 from datamodules.cli import main
 from examples.default_corpus import train_tokenizer
 from examples.default_images import build_default_images
+from examples.default_videos import build_default_videos
 from tests.support import make_token_shards
 
 REPO = Path(__file__).parent.parent
@@ -20,7 +21,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 def quickstart_inputs() -> None:
     """What the quickstart leaves in ``.cache/quickstart``: shards, pydoc topic files and a tokenizer,
-    pictures and a caption tokenizer."""
+    pictures and clips with their caption tokenizers."""
     for name in ("stdlib", "pydoc"):
         make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
     topics = Path(".cache/quickstart/pydoc_topics")
@@ -31,10 +32,11 @@ def quickstart_inputs() -> None:
         )
     train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
     build_default_images(Path(".cache/quickstart"), count=60)
+    build_default_videos(Path(".cache/quickstart"), count=40)
 
 
-# Text configs train on 16-token sequences here; an image-text sample keeps its prompt and placeholders.
-SHORTER = {"image_text": []}
+# Text configs train on 16-token sequences here; a vision sample keeps its prompt and placeholders.
+SHORTER = {"image_text": [], "video": []}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
