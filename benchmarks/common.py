@@ -13,7 +13,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +134,27 @@ def add_run_arguments(parser: argparse.ArgumentParser, data: bool = True) -> Non
         parser.add_argument("--data-dir", help="write (and keep) the shards here instead of a temporary directory")
     parser.add_argument("--results-dir", type=Path, help="default: benchmarks/results (a temp folder with --quick)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few seconds")
+
+
+def _together_entry(work: Callable[..., float], args: tuple[Any, ...], start: Any, results: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    results.put(work(*args, ready=start.wait))
+
+
+def in_processes_at_once(work: Callable[..., float], args: tuple[Any, ...], processes: int) -> float:
+    """The sum of ``work(*args, ready=...)`` over ``processes`` spawned processes (fresh interpreters,
+    one torch thread each) that start timing together: ``work`` sets up, calls ``ready()``, then
+    returns its rate. What a loop alone gives on that many busy cores, the floor for that many workers."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_together_entry, args=(work, args, start, results)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    total = sum(results.get() for _ in workers)
+    for worker in workers:
+        worker.join()
+    return total

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import multiprocessing
 import os
 import random
 import statistics
@@ -32,7 +31,14 @@ from torchvision import transforms
 from torchvision.io import decode_jpeg
 from torchvision.transforms import v2
 
-from benchmarks.common import add_run_arguments, data_directory, report, results_directory, warm_page_cache
+from benchmarks.common import (
+    add_run_arguments,
+    data_directory,
+    in_processes_at_once,
+    report,
+    results_directory,
+    warm_page_cache,
+)
 from benchmarks.loader_throughput import endless, throughput
 from examples.default_images import COLORS, train_caption_tokenizer
 
@@ -115,30 +121,13 @@ def floor_speed(decode: Callable[[bytes], Any], images: list[bytes], seconds: fl
     return count / (time.perf_counter() - started)
 
 
-def floor_in_process(name: str, size: int, paths: list[Path], seconds: float, start: Any, speeds: Any) -> None:
-    """One of the floor processes running at once (spawned: a fresh interpreter, one torch thread)."""
-    torch.set_num_threads(1)
+def floor_in_process(name: str, size: int, paths: list[Path], seconds: float, ready: Callable[[], Any]) -> float:
+    """One of the floor loops running at once (``in_processes_at_once``)."""
     images = [p.read_bytes() for p in paths]
     decode = floors(size)[name]
     decode(images[0])
-    start.wait()
-    speeds.put(floor_speed(decode, images, seconds))
-
-
-def floor_in_processes(name: str, size: int, paths: list[Path], seconds: float, processes: int) -> float:
-    """Images/s of ``processes`` floor loops running at once, summed: what the cores give together."""
-    context = multiprocessing.get_context("spawn")
-    start, speeds = context.Barrier(processes), context.Queue()
-    workers = [
-        context.Process(target=floor_in_process, args=(name, size, paths, seconds, start, speeds))
-        for _ in range(processes)
-    ]
-    for worker in workers:
-        worker.start()
-    total = sum(speeds.get() for _ in workers)
-    for worker in workers:
-        worker.join()
-    return total
+    ready()
+    return floor_speed(decode, images, seconds)
 
 
 class PlainImageFolder(Dataset):
@@ -215,7 +204,9 @@ def main() -> None:
             for name, decode in decoders.items():
                 speeds[name].append(floor_speed(decode, images, args.seconds))
             for name, decoder in together.items():
-                speeds[name].append(floor_in_processes(decoder, args.image_size, paths, args.seconds, 2))
+                speeds[name].append(
+                    in_processes_at_once(floor_in_process, (decoder, args.image_size, paths, args.seconds), 2)
+                )
             for name, batches in loaders.items():
                 speeds[name].append(throughput(batches, args.batch_size, 8, args.seconds)["tokens/s"])
     median = {name: statistics.median(v) for name, v in speeds.items()}

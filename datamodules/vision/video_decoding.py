@@ -2,7 +2,8 @@
 
 A clip is opened once; its duration comes from the container, else the video stream, else a
 fallback the caller knows (a manifest's), else by counting the stream's packets. Targets are visited
-in order: when the next target lies more than one keyframe interval past the frame just decoded,
+in order: when the keyframe before the next target lies past the frame just decoded (keyframes taken
+as evenly spaced from the first two),
 the decoder seeks (to the keyframe before the target) instead of decoding every frame in between;
 otherwise it decodes forward. The keyframe interval is measured per clip from the stream's first
 packets, so a clip with a keyframe every 2 s seeks and one with a single keyframe decodes through.
@@ -36,6 +37,17 @@ class ClipInfo:
     frame_rate: float
     start: float
     keyframe_interval: float  # inf: one keyframe in the probed packets
+    first_keyframe: float = 0.0
+
+    def keyframe_before(self, t: float) -> float:
+        """Where the keyframe at or before ``t`` is expected, keyframes being evenly spaced (a seek
+        lands on the real one: an estimate that is off costs time, never a wrong frame)."""
+        if not math.isfinite(self.keyframe_interval):
+            return self.first_keyframe
+        return (
+            self.first_keyframe
+            + math.floor((t - self.first_keyframe) / self.keyframe_interval) * self.keyframe_interval
+        )
 
 
 def _stream(container: Any, path: str) -> Any:
@@ -86,7 +98,7 @@ def probe(container: Any, path: str, fallback_duration: float | None = None) -> 
     if not frame_rate or not math.isfinite(frame_rate):
         frame_rate = packets / duration
     interval = keyframes[1] - keyframes[0] if len(keyframes) > 1 else math.inf
-    return ClipInfo(float(duration), float(frame_rate), start, interval)
+    return ClipInfo(float(duration), float(frame_rate), start, interval, keyframes[0] if keyframes else start)
 
 
 def _nearest(target: float, before: tuple[float, Any] | None, after: tuple[float, Any] | None) -> Any:
@@ -159,9 +171,12 @@ class FrameReader:
         before: tuple[float, Any] | None = None  # the last frame decoded before the target
         after: tuple[float, Any] | None = None  # the first frame at or past it
         for t in np.asarray(timestamps, dtype=np.float64) + info.start:
-            decoded_up_to = after[0] if after else before[0] if before else -math.inf
-            if frames is None or t - decoded_up_to > info.keyframe_interval:
-                seek_to = t if frames is not None or t - info.start > info.keyframe_interval else None
+            decoded_up_to = after[0] if after else before[0] if before else info.first_keyframe
+            # Seek when the keyframe before the target lies past what is decoded: the frames between
+            # are then skipped rather than decoded.
+            skips = info.keyframe_before(t) > decoded_up_to + 1e-6
+            if frames is None or skips:
+                seek_to = t if skips else None
                 frames, before, after = self._frames(seek_to), None, None
                 after = next(frames, None)
                 if after is not None and after[0] > t and seek_to is not None and seek_to > info.start:

@@ -1,0 +1,233 @@
+"""Clips/s and frames/s of seek-based decoding against decoding the whole stream, and of
+``VideoDataModule``'s train loader against the decoder alone, on the same clips in one run.
+
+Clips: ``--seconds`` (60) at 30 fps, H.264, encoded here, with a keyframe every 2 s and every 10 s.
+8 frames per clip (``fixed_count``: the middle of 8 equal segments). Decoders, one process, no
+loader: ours (``read_frames``: seek to the keyframe before a target when that skips frames,
+else decode forward) and the whole stream (decode every frame from the start through the last
+target, keep the nearest: what a decode-everything loader does); both convert and resize the 8
+frames alike. The loader: ``train_dataloader()`` at ``num_workers`` 0 and 2 (captions tokenized,
+frames normalized), against ours alone in one process and in 2 processes at once. Alternating
+rounds, medians; torch on one thread per process: ``python -m benchmarks.video``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+
+from benchmarks.common import add_run_arguments, data_directory, in_processes_at_once, report, results_directory
+from benchmarks.loader_throughput import endless, throughput
+from datamodules.vision.frame_sampling import frame_sampler
+from datamodules.vision.images import ResizeImage
+from datamodules.vision.video_decoding import ClipInfo, read_frames
+from examples.default_images import train_caption_tokenizer
+
+FRAMES = 8
+
+
+def frame(i: int, width: int, height: int, rng: np.random.Generator) -> np.ndarray:
+    """A moving gradient with a bar and mild noise: content an encoder cannot make free."""
+    x = np.arange(width, dtype=np.float32)[None, :, None]
+    y = np.arange(height, dtype=np.float32)[:, None, None]
+    base = (x + 2 * i) / width * 160 + y / height * 60 + np.array([30, 80, 140], dtype=np.float32)
+    picture = base + rng.normal(0, 3, (height, width, 3)).astype(np.float32)
+    bar = (i * 7) % width
+    picture[:, bar : bar + 16] = 250
+    return np.clip(picture, 0, 255).astype(np.uint8)
+
+
+def encode(path: Path, seconds: int, keyframe_seconds: int, size: tuple[int, int], seed: int) -> Path:
+    if path.exists():
+        return path
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        stream.time_base = stream.codec_context.time_base = Fraction(1, 30)
+        g = str(30 * keyframe_seconds)
+        stream.codec_context.options = {"preset": "veryfast", "g": g, "keyint_min": g, "sc_threshold": "0"}
+        for i in range(seconds * 30):
+            video_frame = av.VideoFrame.from_ndarray(frame(i, *size, rng), format="rgb24")
+            video_frame.pts = i
+            container.mux(stream.encode(video_frame))
+        container.mux(stream.encode(None))
+    return path
+
+
+def write_clips(directory: Path, count: int, seconds: int, size: tuple[int, int], rows: int) -> dict[int, Path]:
+    """``count`` clips per keyframe spacing (2 s, 10 s) as ``clips/gop{k}_{i}.mp4`` and, per spacing, a
+    captions file of ``rows`` rows cycling over them (a long epoch from few clips)."""
+    (directory / "clips").mkdir(parents=True, exist_ok=True)
+    out = {}
+    for keyframe_seconds in (2, 10):
+        names = [f"clips/gop{keyframe_seconds}_{i}.mp4" for i in range(count)]
+        for i, name in enumerate(names):
+            encode(directory / name, seconds, keyframe_seconds, size, seed=i)
+        captions = directory / f"captions_gop{keyframe_seconds}.jsonl"
+        lines = [
+            json.dumps({"video": names[r % count], "text": f"clip {r} of a bar moving right"}) for r in range(rows)
+        ]
+        captions.write_text("\n".join(lines) + "\n")
+        out[keyframe_seconds] = captions
+    return out
+
+
+def whole_stream(path: str, timestamps_for: Callable[[Any], np.ndarray], convert: Callable[[Any], np.ndarray]) -> Any:
+    """Every frame decoded from the start through the last target; each target keeps its nearest."""
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_count = 1
+        duration = container.duration / av.time_base
+        targets = timestamps_for(ClipInfo(duration, float(stream.average_rate), 0.0, math.inf))
+        kept: list[Any] = []
+        before = None
+        pending = list(targets)
+        for decoded in container.decode(stream):
+            t = float(decoded.pts * stream.time_base)
+            while pending and t >= pending[0]:
+                nearest = before if before is not None and pending[0] - before[0] <= t - pending[0] else (t, decoded)
+                kept.append(convert(nearest[1]))
+                pending.pop(0)
+            if not pending:
+                break
+            before = (t, decoded)
+        return targets, kept
+
+
+def decoders(image_size: int) -> dict[str, Callable[[str], Any]]:
+    sampler = frame_sampler("fixed_count", FRAMES)
+    resize = ResizeImage(image_size, "crop")
+
+    def convert(video_frame: Any) -> np.ndarray:
+        return resize.resize(torch.from_numpy(video_frame.to_ndarray(format="rgb24")).permute(2, 0, 1)).numpy()
+
+    def timestamps(info: Any) -> np.ndarray:
+        return sampler.timestamps(info.duration, info.frame_rate, 0)
+
+    return {
+        "seek (ours, read_frames)": lambda path: read_frames(path, timestamps, convert),
+        "whole stream": lambda path: whole_stream(path, timestamps, convert),
+    }
+
+
+def clip_speed(decode: Callable[[str], Any], paths: list[str], seconds: float) -> float:
+    decode(paths[0])
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        decode(paths[count % len(paths)])
+        count += 1
+    return count / (time.perf_counter() - started)
+
+
+def decoder_in_process(name: str, image_size: int, paths: list[str], seconds: float, ready: Callable[[], Any]) -> float:
+    decode = decoders(image_size)[name]
+    decode(paths[0])
+    ready()
+    return clip_speed(decode, paths, seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--clips", type=int, default=3, help="clips per keyframe spacing")
+    parser.add_argument("--seconds", type=int, default=60, help="clip length")
+    parser.add_argument("--width", type=int, default=640)
+    parser.add_argument("--height", type=int, default=360)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--timed", type=float, default=6.0, help="timed seconds per contender per round")
+    add_run_arguments(parser)
+    args = parser.parse_args()
+    if args.quick:
+        args.clips, args.seconds, args.width, args.height, args.image_size = 1, 12, 160, 90, 32
+        args.rounds, args.timed, args.batch_size = 1, 0.5, 2
+    torch.set_num_threads(1)
+    from datamodules import VideoDataModule
+
+    with data_directory(args.data_dir) as directory:
+        manifests = write_clips(directory, args.clips, args.seconds, (args.width, args.height), rows=400)
+        captions = [f"clip {r} of a bar moving right" for r in range(400)]
+        tokenizer = train_caption_tokenizer(captions, directory / "tokenizer", vocab_size=300)
+        speeds: dict[str, list[float]] = {}
+        loaders: dict[str, Iterator[Any]] = {}
+        clips: dict[int, list[str]] = {}
+        for gop, manifest in manifests.items():
+            clips[gop] = [str(directory / f"clips/gop{gop}_{i}.mp4") for i in range(args.clips)]
+            for workers in (0, 2):
+                dm = VideoDataModule(
+                    str(directory), str(tokenizer), max_text_len=24, batch_size=args.batch_size,
+                    manifest=manifest.name, frame_sampling="fixed_count", max_frames=FRAMES,
+                    image_size=args.image_size, num_workers=workers,
+                )  # fmt: skip
+                dm.prepare_data()
+                dm.setup("fit")
+                loaders[f"keyframe every {gop} s | VideoDataModule, num_workers={workers}"] = endless(
+                    dm.train_dataloader
+                )
+        named = decoders(args.image_size)
+        for _ in range(args.rounds):  # alternating, so drift hits all alike
+            for gop, paths in clips.items():
+                for name, decode in named.items():
+                    speeds.setdefault(f"keyframe every {gop} s | {name}", []).append(
+                        clip_speed(decode, paths, args.timed)
+                    )
+                name = "seek (ours, read_frames)"
+                together = in_processes_at_once(decoder_in_process, (name, args.image_size, paths, args.timed), 2)
+                speeds.setdefault(f"keyframe every {gop} s | {name}, 2 processes at once", []).append(together)
+            for name, batches in loaders.items():
+                speeds.setdefault(name, []).append(throughput(batches, args.batch_size, 4, args.timed)["tokens/s"])
+    median = {name: statistics.median(v) for name, v in speeds.items()}
+    rows, checks = [], {}
+    for gop in clips:
+        at = f"keyframe every {gop} s | "
+        seek, whole = median[at + "seek (ours, read_frames)"], median[at + "whole stream"]
+        alone, together = seek, median[at + "seek (ours, read_frames), 2 processes at once"]
+        for name, speed in median.items():
+            if name.startswith(at):
+                cores = 2 if name.endswith(("num_workers=2", "at once")) else 1
+                floor = alone if cores == 1 else together / 2
+                rows.append(
+                    {
+                        "keyframes": f"every {gop} s",
+                        "contender": name[len(at) :],
+                        "clips/s": speed,
+                        "frames/s": speed * FRAMES,
+                        "per core": speed / cores,
+                        "of ours alone on as many cores": speed / cores / floor,
+                    }
+                )
+        w0, w2 = median[at + "VideoDataModule, num_workers=0"], median[at + "VideoDataModule, num_workers=2"]
+        checks[f"keyframe every {gop} s: seeking >= 3x the whole stream ({seek / whole:.2f}x)"] = seek >= 3 * whole
+        checks[
+            f"keyframe every {gop} s: loader at 2 workers >= 0.8 of the decoder alone on 2 processes, per process "
+            f"({w2 / together:.2f}; workers 0: {w0 / alone:.2f} of it in one)"
+        ] = w2 >= 0.8 * together
+    report(
+        "video",
+        {
+            f"{FRAMES} frames from {args.seconds} s 30 fps {args.width}x{args.height} H.264 clips to "
+            f"{args.image_size}x{args.image_size}, medians of {args.rounds} rounds": (
+                ["keyframes", "contender", "clips/s", "frames/s", "per core", "of ours alone on as many cores"],
+                rows,
+            )
+        },
+        {"clips_per_spacing": args.clips, "seconds": args.seconds, "size": f"{args.width}x{args.height}"},
+        checks,
+        results_directory(args.results_dir, args.quick),
+    )
+
+
+if __name__ == "__main__":
+    main()
