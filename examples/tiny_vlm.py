@@ -50,7 +50,6 @@ class TinyVLM(TinyCausalLM):
         self.vision = PatchEncoder(image_size, patch_size, hidden_size)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        embeds = self.model.get_input_embeddings()(batch["input_ids"])
         features = self.vision(batch["pixel_values"])
         positions = batch["image_positions"]
         if positions.shape[1] != features.shape[1]:
@@ -58,6 +57,13 @@ class TinyVLM(TinyCausalLM):
                 f"the batch has {positions.shape[1]} image positions but the encoder gives {features.shape[1]} "
                 "patches: set the DataModule's num_image_tokens to (image_size // patch_size) ** 2"
             )
+        return self.logits_with(batch, features, positions)
+
+    def logits_with(
+        self, batch: dict[str, torch.Tensor], features: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The LM's logits with the token embeddings at ``positions`` replaced by ``features``."""
+        embeds = self.model.get_input_embeddings()(batch["input_ids"])
         index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
         embeds = embeds.scatter(1, index, features.to(embeds.dtype))
         return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
@@ -92,7 +98,6 @@ class TinyVideoLM(TinyVLM):
         self.frame_positions = torch.nn.Parameter(torch.zeros(1, max_frames, hidden_size))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        embeds = self.model.get_input_embeddings()(batch["input_ids"])
         pixels = batch["pixel_values"]  # [B, F, 3, H, W]
         b, f = pixels.shape[:2]
         features = self.vision(pixels.flatten(0, 1)).mean(1).view(b, f, -1) + self.frame_positions[:, :f]
@@ -103,6 +108,4 @@ class TinyVideoLM(TinyVLM):
                 f"the batch has {positions.shape[1]} video positions for {f} frames: set the DataModule's "
                 "num_video_tokens to its max_frames"
             )
-        index = positions.unsqueeze(-1).expand(-1, -1, embeds.shape[-1])
-        embeds = embeds.scatter(1, index, features.to(embeds.dtype))
-        return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+        return self.logits_with(batch, features, positions)
