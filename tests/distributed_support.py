@@ -110,6 +110,20 @@ class Run:
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step={step}.ckpt"
 
+    def rows(self, rank: int, first_step: int = 0, before_step: int | None = None) -> list[str]:
+        """Digests of the rows ``rank`` trained on in steps ``[first_step, before_step)``, in order."""
+        return [
+            digest
+            for record in self.records(rank)
+            if record["step"] >= first_step and (before_step is None or record["step"] < before_step)
+            for digest in record["rows"]
+        ]
+
+    def validated(self, rank: int) -> list[str]:
+        """Digests of the rows ``rank`` evaluated (real rows only, padding excluded)."""
+        path = self.root / f"records.val.rank{rank}"
+        return [digest for line in path.read_text().splitlines() for digest in json.loads(line)]
+
 
 def train_record(args: list[str], root: Path, num_nodes: int = 1) -> Run:
     """Run ``train_record.py`` with ``args`` (plus its output paths under ``root``) and wait for it.

@@ -76,13 +76,16 @@ class VideoLayout(ABC):
     def __init__(self, data_root: str) -> None:
         self.data_root = data_root
 
-    def manifest_path(self, manifest: str) -> str:
-        """``manifest``, relative to ``data_root`` unless absolute; an error if it is not a file."""
-        path = Path(manifest)
-        path = path if path.is_absolute() else Path(self.data_root) / path
-        if not path.is_file():
-            raise ValueError(f"video manifest {manifest} ({self.name} layout) is not a file: {path} does not exist")
-        return str(path)
+    def manifest_files(self, manifest: str | list[str]) -> list[str]:
+        """Each manifest file, relative to ``data_root`` unless absolute; an error if one is not a file."""
+        files = []
+        for name in [manifest] if isinstance(manifest, str) else manifest:
+            path = Path(name)
+            path = path if path.is_absolute() else Path(self.data_root) / path
+            if not path.is_file():
+                raise ValueError(f"video manifest {name} ({self.name} layout) is not a file: {path} does not exist")
+            files.append(str(path))
+        return files
 
     @abstractmethod
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
@@ -122,7 +125,7 @@ class WebVidLayout(VideoLayout):
         self.extension = extension
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
-        files = [self.manifest_path(m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
+        files = self.manifest_files(manifest)
         dataset = load_split("csv", "train", None, files)
         _require_columns(dataset, ["videoid", "name"], manifest, self.name)
         n, ext = self.id_prefix_len, self.extension
@@ -165,7 +168,7 @@ class FolderLayout(VideoLayout):
         self.keys = {"video": video_key, "text": text_key, "prompt": prompt_key, "duration": duration_key}
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
-        files = [self.manifest_path(m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
+        files = self.manifest_files(manifest)
         dataset = load_split("json", "train", None, files)
         return standard_columns(dataset, self.keys, manifest, self.name)
 

@@ -51,15 +51,11 @@ def all_windows(corpus: tuple[Path, str], cache_dir: str) -> Counter:
     return Counter(row_digest(row) for row in rows)
 
 
-def trained_rows(run: Run, rank: int) -> list[str]:
-    return [digest for record in run.records(rank) for digest in record["rows"]]
-
-
 def test_two_ddp_ranks_train_disjoint_windows_that_cover_the_epoch_once(
     corpus: tuple[Path, str], tmp_path: Path
 ) -> None:
     run = train(corpus, tmp_path, str(tmp_path / "cache"), devices=2)
-    rank0, rank1 = trained_rows(run, 0), trained_rows(run, 1)
+    rank0, rank1 = run.rows(0), run.rows(1)
     expected = all_windows(corpus, str(tmp_path / "cache"))
     # The multiset of trained windows equals the corpus's: every window once, none on both ranks
     # (a window trained twice would count twice; the epoch holds whole global batches).
@@ -74,7 +70,7 @@ def test_two_nodes_with_their_own_cache_directories_tokenize_once_each(
     run = train(corpus, tmp_path, str(tmp_path / "node{node}"), num_nodes=2)
     assert [run.info(node)["tokenized"] for node in (0, 1)] == [1, 1]
     assert all(any((tmp_path / f"node{node}").iterdir()) for node in (0, 1))
-    assert Counter(trained_rows(run, 0) + trained_rows(run, 1)) == all_windows(corpus, str(tmp_path / "node0"))
+    assert Counter(run.rows(0) + run.rows(1)) == all_windows(corpus, str(tmp_path / "node0"))
 
 
 def test_a_shared_cache_with_prepare_data_per_node_false_is_tokenized_once_in_all(
@@ -82,7 +78,7 @@ def test_a_shared_cache_with_prepare_data_per_node_false_is_tokenized_once_in_al
 ) -> None:
     run = train(corpus, tmp_path, str(tmp_path / "shared"), num_nodes=2, prepare_once=True)
     assert [run.info(node)["tokenized"] for node in (0, 1)] == [1, 0]
-    assert Counter(trained_rows(run, 0) + trained_rows(run, 1)) == all_windows(corpus, str(tmp_path / "shared"))
+    assert Counter(run.rows(0) + run.rows(1)) == all_windows(corpus, str(tmp_path / "shared"))
 
 
 def test_an_evaluation_split_is_loaded_on_rank_zero_only_and_each_window_evaluated_once(
@@ -96,10 +92,5 @@ def test_an_evaluation_split_is_loaded_on_rank_zero_only_and_each_window_evaluat
     assert run.info(0)["validation_tokens"] == run.info(1)["validation_tokens"]
     (tokens,) = run.info(0)["validation_tokens"]
     windows = torch.tensor(tokens[: (len(tokens) - 1) // SEQ_LEN * SEQ_LEN]).view(-1, SEQ_LEN)
-    evaluated = [
-        d
-        for r in (0, 1)
-        for line in Path(f"{run.root}/records.val.rank{r}").read_text().splitlines()
-        for d in json.loads(line)
-    ]
+    evaluated = run.validated(0) + run.validated(1)
     assert Counter(evaluated) == Counter(row_digest(w) for w in windows)  # each window once, over both ranks

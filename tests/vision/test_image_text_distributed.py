@@ -5,17 +5,14 @@ Runs go through ``tests/scripts/train_record.py`` (Lightning's ``ddp`` re-launch
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from datamodules import ImageTextSource
-from tests.distributed_support import Run, train_record
-from tests.support import row_digest
+from tests.distributed_support import Run
+from tests.vision.distributed_vision import source_digests, train_vision
 from tests.vision.image_data import image_folder, tokenizer_for
 
 ROWS, TEXT_LEN, BATCH = 40, 24, 4
@@ -28,47 +25,22 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def train(data: tuple[Path, str], root: Path, devices: int, **kw: object) -> Run:
-    folder, tokenizer = data
-    args = ["--image-folder", str(folder), "--tokenizer", tokenizer, "--seq-len", str(TEXT_LEN)]
-    args += ["--batch-size", str(BATCH), "--devices", str(devices), "--strategy", "ddp" if devices > 1 else "auto"]
-    for key, value in kw.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return train_record(args, root)
+    return train_vision("image-folder", data, root, TEXT_LEN, BATCH, devices, **kw)
 
 
 def source_rows(data: tuple[Path, str], val_fraction: float) -> tuple[Counter, Counter]:
-    """Digests of every training and validation sample's tokens, as one process builds them."""
     folder, tokenizer = data
-    source = ImageTextSource(
-        "imagefolder",
-        tokenizer,
-        num_image_tokens=2,
-        image_size=8,
-        val_fraction=val_fraction,
-        load_kwargs={"data_dir": str(folder)},
+    return source_digests(
+        ImageTextSource(
+            "imagefolder",
+            tokenizer,
+            num_image_tokens=2,
+            image_size=8,
+            val_fraction=val_fraction,
+            load_kwargs={"data_dir": str(folder)},
+        ),
+        TEXT_LEN,
     )
-    out = [Counter(), Counter()]
-    for i, samples in enumerate(source.build(TEXT_LEN, False)):
-        if samples is None:
-            continue
-        keys = np.zeros(len(samples), dtype=np.uint64)
-        ids = torch.from_numpy(samples.fetch(np.arange(len(samples)), keys)["input_ids"].astype(np.int64))
-        out[i] = Counter(row_digest(row) for row in ids)
-    return out[0], out[1]
-
-
-def validation_rows(run: Run, rank: int) -> list[str]:
-    path = run.root / f"records.val.rank{rank}"
-    return [d for line in path.read_text().splitlines() for d in json.loads(line)]
-
-
-def trained(run: Run, rank: int, first_step: int = 0, before_step: int | None = None) -> list[str]:
-    return [
-        d
-        for r in run.records(rank)
-        if r["step"] >= first_step and (before_step is None or r["step"] < before_step)
-        for d in r["rows"]
-    ]
 
 
 def test_two_ddp_ranks_train_every_row_once_per_epoch_and_evaluate_every_held_out_row_once(
@@ -76,10 +48,10 @@ def test_two_ddp_ranks_train_every_row_once_per_epoch_and_evaluate_every_held_ou
 ) -> None:
     run = train(data, tmp_path, devices=2, val_fraction=0.2, max_epochs=1, workers=2)
     train_rows, val_rows = source_rows(data, 0.2)
-    rank0, rank1 = trained(run, 0), trained(run, 1)
+    rank0, rank1 = run.rows(0), run.rows(1)
     assert len(rank0) == len(rank1) == 16  # 32 training rows: 4 steps of 2 ranks x 4
     assert Counter(rank0 + rank1) == train_rows
-    assert Counter(validation_rows(run, 0) + validation_rows(run, 1)) == val_rows
+    assert Counter(run.validated(0) + run.validated(1)) == val_rows
     assert run.info(0)["dp_size"] == 2 and run.info(0)["sampler_is_datamodule_sampler"]
 
 
@@ -89,6 +61,6 @@ def test_elastic_resume_of_a_1_rank_checkpoint_on_2_ranks_trains_every_row_once(
     # 40 rows, 10 one-rank steps per epoch; stopped after 3 (12 rows), resumed on 2 ranks to the epoch end.
     stopped = train(data, tmp_path / "one", devices=1, max_steps=5, every_n_steps=3)
     resumed = train(data, tmp_path / "two", devices=2, max_epochs=1, resume=stopped.checkpoint(3))
-    rows = trained(stopped, 0, before_step=3) + trained(resumed, 0) + trained(resumed, 1)
+    rows = stopped.rows(0, before_step=3) + resumed.rows(0) + resumed.rows(1)
     assert Counter(rows) == source_rows(data, 0.0)[0]
     assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == ROWS

@@ -5,18 +5,15 @@ Runs go through ``tests/scripts/train_record.py`` (Lightning's ``ddp`` re-launch
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from datamodules import VideoSource
 from examples.default_images import train_caption_tokenizer
-from tests.distributed_support import Run, train_record
-from tests.support import row_digest
+from tests.distributed_support import Run
+from tests.vision.distributed_vision import source_digests, train_vision
 from tests.vision.video_data import video_caption, video_folder
 
 CLIPS, TEXT_LEN, BATCH = 40, 20, 4
@@ -30,34 +27,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def train(data: tuple[Path, str], root: Path, devices: int, **kw: object) -> Run:
-    folder, tokenizer = data
-    args = ["--video-folder", str(folder), "--tokenizer", tokenizer, "--seq-len", str(TEXT_LEN)]
-    args += ["--batch-size", str(BATCH), "--devices", str(devices), "--strategy", "ddp" if devices > 1 else "auto"]
-    for key, value in kw.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    return train_record(args, root)
+    return train_vision("video-folder", data, root, TEXT_LEN, BATCH, devices, **kw)
 
 
 def source_rows(data: tuple[Path, str], val_fraction: float) -> tuple[Counter, Counter]:
-    """Digests of every training and validation sample's tokens, as one process builds them."""
     folder, tokenizer = data
-    source = VideoSource(str(folder), tokenizer, image_size=8, max_frames=4, val_fraction=val_fraction)
-    out = [Counter(), Counter()]
-    for i, samples in enumerate(source.build(TEXT_LEN, False)):
-        if samples is not None:
-            keys = np.zeros(len(samples), dtype=np.uint64)
-            ids = torch.from_numpy(samples.fetch(np.arange(len(samples)), keys)["input_ids"].astype(np.int64))
-            out[i] = Counter(row_digest(row) for row in ids)
-    return out[0], out[1]
-
-
-def trained(run: Run, rank: int, first_step: int = 0, before_step: int | None = None) -> list[str]:
-    return [
-        d
-        for r in run.records(rank)
-        if r["step"] >= first_step and (before_step is None or r["step"] < before_step)
-        for d in r["rows"]
-    ]
+    return source_digests(
+        VideoSource(str(folder), tokenizer, image_size=8, max_frames=4, val_fraction=val_fraction), TEXT_LEN
+    )
 
 
 def test_two_ddp_ranks_train_every_clip_once_per_epoch_and_evaluate_every_held_out_clip_once(
@@ -65,14 +42,10 @@ def test_two_ddp_ranks_train_every_clip_once_per_epoch_and_evaluate_every_held_o
 ) -> None:
     run = train(data, tmp_path, devices=2, val_fraction=0.2, max_epochs=1, workers=2)
     train_rows, val_rows = source_rows(data, 0.2)
-    rank0, rank1 = trained(run, 0), trained(run, 1)
+    rank0, rank1 = run.rows(0), run.rows(1)
     assert len(rank0) == len(rank1) == 16  # 32 training clips: 4 steps of 2 ranks x 4
     assert Counter(rank0 + rank1) == train_rows
-    validated = [
-        d for rank in (0, 1) for line in (run.root / f"records.val.rank{rank}").read_text().splitlines()
-        for d in json.loads(line)
-    ]  # fmt: skip
-    assert Counter(validated) == val_rows
+    assert Counter(run.validated(0) + run.validated(1)) == val_rows
     assert run.info(0)["dp_size"] == 2 and run.info(0)["sampler_is_datamodule_sampler"]
 
 
@@ -81,6 +54,6 @@ def test_elastic_resume_of_a_1_rank_checkpoint_on_2_ranks_trains_every_clip_once
 ) -> None:
     stopped = train(data, tmp_path / "one", devices=1, max_steps=5, every_n_steps=3)
     resumed = train(data, tmp_path / "two", devices=2, max_epochs=1, resume=stopped.checkpoint(3))
-    rows = trained(stopped, 0, before_step=3) + trained(resumed, 0) + trained(resumed, 1)
+    rows = stopped.rows(0, before_step=3) + resumed.rows(0) + resumed.rows(1)
     assert Counter(rows) == source_rows(data, 0.0)[0]
     assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == CLIPS
