@@ -5,8 +5,8 @@ Floors, one process, no loader: the fastest decode-plus-resize available here (P
 ``draft()`` (reduced DCT scale), ``torchvision.io.decode_jpeg``; each then shorter side to
 ``--image-size`` and a center crop). The plain loader: a ``Dataset`` over the files doing PIL decode,
 ``transforms.Resize``/``CenterCrop``/``ToTensor``/``Normalize``, in a ``DataLoader``. Ours: the
-DataModule's ``train_dataloader()`` (captions tokenized, labels built, pixels normalized). Each at
-``num_workers`` 0 and 2, alternating rounds, medians; torch on one thread per process, so "per
+DataModule's ``train_dataloader()`` (captions tokenized, labels built, uint8 pixels as they go to
+the device, where ``on_after_batch_transfer`` normalizes them). Each at ``num_workers`` 0 and 2, alternating rounds, medians; torch on one thread per process, so "per
 core" means what it says: ``python -m benchmarks.image_text``.
 """
 

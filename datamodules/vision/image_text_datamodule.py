@@ -15,7 +15,10 @@ from datamodules.vision.image_text_source import ImageTextSource
 class ImageTextDataModule(PlanDataModule):
     """Trains a VLM on image-text pairs: normalized pixels, tokens and labels on the answer only.
 
-    Batches: ``pixel_values`` ``[B, 3, H, W]`` float32; ``input_ids``, ``labels`` (shifted,
+    Batches: ``pixel_values`` ``[B, 3, H, W]`` float32 (they leave the loader as uint8, a quarter of the
+    bytes through the workers and the host-to-device copy, and ``on_after_batch_transfer``, which the
+    Trainer calls once the batch is on the device, normalizes them; outside a Trainer call
+    ``dm.on_after_batch_transfer(batch, 0)``); ``input_ids``, ``labels`` (shifted,
     ``-100`` on prompt, image placeholders and padding), ``attention_mask``: ``[B, max_text_len]``;
     ``image_positions`` ``[B, num_image_tokens]``: where the image's embeddings go. Images are
     decoded in the DataLoader's workers. Order, exact O(1) and elastic resume are the plan's.

@@ -58,8 +58,8 @@ class ImageTextSamples:
 
     ``fetch`` (a worker's job) reads each row, decodes its image and tokenizes its text; a bad
     sample raises naming its row and file, or (``on_bad_sample="skip"``) is replaced by a stand-in
-    drawn from its own index (``bad_samples``). ``to_batch`` (the main process) normalizes pixels
-    and counts the skipped samples.
+    drawn from its own index (``bad_samples``). ``to_batch`` (the main process) counts the skipped
+    samples; uint8 pixels are normalized by ``on_device``, once the batch is on the accelerator.
     """
 
     batches_per_message = 1  # a decoded batch is worth a message of its own between processes
@@ -160,13 +160,13 @@ class ImageTextSamples:
         if "error" in raw:
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
-        pixels = raw["pixels"]
         return {
-            "pixel_values": self.pixels.to_tensor(torch.from_numpy(pixels))
-            if pixels.dtype == np.uint8
-            else torch.from_numpy(pixels),
+            "pixel_values": torch.from_numpy(raw["pixels"]),
             "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
             "labels": torch.from_numpy(raw["labels"].astype(np.int64)),
             "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
             "image_positions": torch.from_numpy(raw["image_positions"].astype(np.int64)),
         }
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**batch, "pixel_values": self.pixels.normalize(batch["pixel_values"])}

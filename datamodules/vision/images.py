@@ -114,8 +114,9 @@ def checked_pixels(pixels: Any, image_size: int, transform: Callable[..., Any]) 
 class ImagePixels:
     """RGB images to pixel arrays of one shape, and batches of them to normalized float tensors.
 
-    Our path (``transform=None``): ``ResizeImage``, uint8 arrays through the DataLoader (a quarter
-    of float32's bytes), scaled by ``mean``/``std`` per batch in the main process. A user
+    Our path (``transform=None``): ``ResizeImage``, uint8 arrays through the DataLoader and to the
+    device (a quarter of float32's bytes), scaled by ``mean``/``std`` there (``normalize``, from the
+    DataModule's ``on_after_batch_transfer``). A user
     ``transform`` replaces the resize: an RGB PIL image in, a ``[3, image_size, image_size]``
     tensor out; a uint8 tensor is then normalized as ours, a float tensor is used as it is.
     """
@@ -144,13 +145,10 @@ class ImagePixels:
     def __call__(self, image: Image.Image) -> np.ndarray:
         return checked_pixels(self.transform(image), self.shape[1], self.transform)
 
-    def to_tensor(self, pixels: torch.Tensor) -> torch.Tensor:
-        """``pixel_values`` ``[B, 3, H, W]`` float32 from a stacked batch of uint8 ``__call__`` outputs."""
-        # One image at a time, into a fresh float tensor by copy_: the three passes then stay in cache
-        # (a whole batch is tens of MB); ``pixels.float()`` on an array unpickled from a worker
-        # measured several times slower here.
-        out = torch.empty(pixels.shape, dtype=torch.float32)
-        scale, shift = self._scale[0], self._shift[0]
-        for image, values in zip(out, pixels, strict=True):
-            image.copy_(values).mul_(scale).sub_(shift)
-        return out
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels (channels third from last, on any device) to float32 ``(x / 255 - mean) / std``;
+        float pixels (a user transform's, a processor's) are returned as they are."""
+        if pixels.dtype != torch.uint8:
+            return pixels
+        scale, shift = (t.view(3, 1, 1).to(pixels.device) for t in (self._scale, self._shift))
+        return pixels.to(torch.float32).mul_(scale).sub_(shift)

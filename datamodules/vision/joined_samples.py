@@ -53,3 +53,6 @@ class JoinedSamples:
         batch = self.parts[0].to_batch({**raw, "skipped": []})
         self.bad_samples.record(raw["skipped"])
         return batch
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.parts[0].on_device(batch)  # the parts normalize alike (``shape_key``)

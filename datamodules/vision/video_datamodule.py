@@ -14,7 +14,10 @@ from datamodules.vision.video_source import VideoSource
 class VideoDataModule(PlanDataModule):
     """Trains a video-language model on clips: a few frames each, decoded by seeking, and text.
 
-    Batches: ``pixel_values`` ``[B, max_frames, 3, H, W]`` float32; ``frame_mask``
+    Batches: ``pixel_values`` ``[B, max_frames, 3, H, W]`` float32 (they leave the loader as uint8, a quarter of the
+    bytes through the workers and the host-to-device copy, and ``on_after_batch_transfer``, which the
+    Trainer calls once the batch is on the device, normalizes them; outside a Trainer call
+    ``dm.on_after_batch_transfer(batch, 0)``); ``frame_mask``
     ``[B, max_frames]`` (False past a clip's sampled frames, and for a masked broken clip);
     ``timestamps`` ``[B, max_frames]`` (seconds of each frame in its clip, float64); ``input_ids``,
     ``labels`` (shifted, ``-100`` on prompt, placeholders and padding), ``attention_mask``:

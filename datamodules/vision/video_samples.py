@@ -131,10 +131,8 @@ class VideoSamples:
         if "error" in raw:
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
-        pixels = torch.from_numpy(raw["pixels"])
-        b, f = pixels.shape[:2]
         return {
-            "pixel_values": self.pixels.to_tensor(pixels.view(b * f, *pixels.shape[2:])).view(pixels.shape),
+            "pixel_values": torch.from_numpy(raw["pixels"]),
             "frame_mask": torch.from_numpy(raw["frame_mask"]),
             "timestamps": torch.from_numpy(raw["timestamps"]),
             "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
@@ -142,3 +140,6 @@ class VideoSamples:
             "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
             "video_positions": torch.from_numpy(raw["image_positions"].astype(np.int64)),
         }
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**batch, "pixel_values": self.pixels.normalize(batch["pixel_values"])}

@@ -58,6 +58,9 @@ class ProcessorInputs:
     def pixels(self, image: Image.Image) -> np.ndarray:
         return np.asarray(self.image_processor(image, return_tensors="np")["pixel_values"][0], dtype=np.float32)
 
+    def normalize(self, pixels: Any) -> Any:
+        return pixels  # the processor's pixels are final
+
     def template(self, prompt: str) -> str:
         if self.chat_template is None:
             return f"{self.image_token}\n{prompt}"

@@ -64,7 +64,11 @@ def test_a_batch_masks_prompt_placeholders_and_padding_and_labels_the_next_answe
     tmp_path: Path, tokenizer: str
 ) -> None:
     folder = image_folder(tmp_path / "images", 12)
-    batch = next(iter(ready(make_dm(folder, tokenizer, batch_size=6)).train_dataloader()))
+    dm = ready(make_dm(folder, tokenizer, batch_size=6))
+    loaded = next(iter(dm.train_dataloader()))
+    assert loaded["pixel_values"].dtype == torch.uint8, "pixels cross the loader as bytes"
+    batch = dm.on_after_batch_transfer(loaded, 0)  # what the Trainer calls once the batch is on the device
+    assert batch["pixel_values"].dtype == torch.float32
     tok = AutoTokenizer.from_pretrained(tokenizer)
     placeholder, eos = tok.pad_token_id, tok.eos_token_id
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
@@ -158,6 +162,41 @@ def test_crop_mode_keeps_the_aspect_ratio_and_square_mode_squeezes_the_whole_ima
     assert crop.shape == square.shape == (3, 16, 16) and crop.dtype == torch.uint8
     assert crop[0].max() < 20, "the center crop holds no red"
     assert square[0, :, 0].min() > 230, "the squeezed image keeps its red left edge"
+
+
+class PixelsModel(RecordingModel):
+    """Records the pixels its steps see; its own ``on_after_batch_transfer`` marks the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, torch.Tensor, bool]] = []
+
+    def on_after_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        return {**batch, "marked": torch.ones(1)}
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self.seen.append(("train", batch["pixel_values"], "marked" in batch))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.seen.append(("val", batch["pixel_values"], "marked" in batch))
+
+
+def test_under_the_trainer_steps_see_normalized_pixels_and_the_models_own_transfer_hook_still_runs(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    folder = image_folder(tmp_path / "images", 12)
+    model = PixelsModel()
+    dm = make_dm(folder, tokenizer, val_fraction=0.25)
+    quiet_trainer(max_steps=2, limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=2).fit(
+        model, datamodule=dm
+    )
+    fresh = ready(make_dm(folder, tokenizer, val_fraction=0.25))
+    expected = [fresh.on_after_batch_transfer(b, 0)["pixel_values"] for b in fresh.train_dataloader()][:2]
+    assert [kind for kind, _, _ in model.seen] == ["train", "train", "val"]
+    assert all(marked for _, _, marked in model.seen), "the model's hook runs after ours"
+    assert all(px.dtype == torch.float32 and px.min() < 0 for _, px, _ in model.seen), "normalized (CLIP mean/std)"
+    assert all(torch.equal(px, want) for (_, px, _), want in zip(model.seen, expected, strict=False))
 
 
 def test_a_user_transform_replaces_ours(tmp_path: Path, tokenizer: str) -> None:

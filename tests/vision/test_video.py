@@ -71,7 +71,9 @@ def test_a_batch_holds_the_policys_frames_equal_to_the_reference_and_answer_only
     dm = ready(make_dm(root, tokenizer))
     tok = AutoTokenizer.from_pretrained(tokenizer)
     prompt = tok("describe the clip", add_special_tokens=False)["input_ids"]
-    batch = next(iter(dm.train_dataloader()))
+    loaded = next(iter(dm.train_dataloader()))
+    assert loaded["pixel_values"].dtype == torch.uint8, "frames cross the loader as bytes"
+    batch = dm.on_after_batch_transfer(loaded, 0)  # what the Trainer calls once the batch is on the device
     assert batch["pixel_values"].shape == (4, FRAMES, 3, SIZE, SIZE) and batch["pixel_values"].dtype == torch.float32
     assert batch["frame_mask"].shape == batch["timestamps"].shape == (4, FRAMES)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (4, TEXT_LEN)
