@@ -6,8 +6,9 @@ Floors, one process, no loader: the fastest decode-plus-resize available here (P
 ``--image-size`` and a center crop). The plain loader: a ``Dataset`` over the files doing PIL decode,
 ``transforms.Resize``/``CenterCrop``/``ToTensor``/``Normalize``, in a ``DataLoader``. Ours: the
 DataModule's ``train_dataloader()`` (captions tokenized, labels built, uint8 pixels as they go to
-the device, where ``on_after_batch_transfer`` normalizes them). Each at ``num_workers`` 0 and 2, alternating rounds, medians; torch on one thread per process, so "per
-core" means what it says: ``python -m benchmarks.image_text``.
+the device, where ``on_after_batch_transfer`` normalizes them). Each at ``num_workers`` 0 and 2,
+alternating rounds, medians; torch on one thread per process, so "per core" means what it says:
+``python -m benchmarks.image_text``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ loader: ours (``read_frames``: seek to the keyframe before a target when that sk
 else decode forward) and the whole stream (decode every frame from the start through the last
 target, keep the nearest: what a decode-everything loader does); both convert and resize the 8
 frames alike. The loader: ``train_dataloader()`` at ``num_workers`` 0 and 2 (captions tokenized,
-uint8 frames as they go to the device, where ``on_after_batch_transfer`` normalizes them), against ours alone in one process and in 2 processes at once. Alternating
-rounds, medians; torch on one thread per process: ``python -m benchmarks.video``.
+uint8 frames as they go to the device, where ``on_after_batch_transfer`` normalizes them), against
+ours alone in one process and in 2 processes at once. Alternating rounds, medians; torch on one
+thread per process: ``python -m benchmarks.video``.
 """
 
 from __future__ import annotations
