@@ -18,6 +18,7 @@ _EXPORTS = {
     "ImageTextSource": "datamodules.vision.image_text_source",
     "MixtureComponent": "datamodules.mixture",
     "MixtureDataModule": "datamodules.mixture",
+    "MultipackBatchSampler": "datamodules.speculative.multipack",
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
     "PlanDataModule": "datamodules.plan.datamodule",
     "PlannedSource": "datamodules.plan.sample_plan",
@@ -37,6 +38,7 @@ __all__ = [
     "ImageTextSource",
     "MixtureComponent",
     "MixtureDataModule",
+    "MultipackBatchSampler",
     "PhaseScheduler",
     "PlanDataModule",
     "PlannedSource",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.speculative.multipack import MultipackBatchSampler
     from datamodules.text.hf_text import HFTextDataModule, HFTextSource
     from datamodules.text.token_shard_datamodule import TokenShardDataModule
     from datamodules.text.token_shard_source import TokenShardSource

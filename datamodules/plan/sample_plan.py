@@ -106,6 +106,12 @@ class SamplePlan:
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source ids, sample indices)`` of each global position; vectorized."""
+        sources, indices, _ = self.locate_in_passes(positions)
+        return sources, indices
+
+    def locate_in_passes(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(source ids, sample indices, passes)``: ``passes`` counts the earlier passes over that
+        source (a source whose samples are rebuilt every pass, such as packed rows, needs it)."""
         positions = np.asarray(positions, dtype=np.int64)
         if self.segments:
             sources, drawn = self._mix(positions)
@@ -114,10 +120,10 @@ class SamplePlan:
         sizes = self._sizes[sources]
         passes, within = np.divmod(drawn, sizes)
         if not self.shuffle:
-            return sources, within
+            return sources, within, passes
         # Source s's pass p is shuffled by the bijection keyed (seed, s, p). One call for all sources:
         # they cycle-walk together, in as many rounds as the longest walk, not one loop per source.
-        return sources, permute(within, sizes, round_keys(self.seed, sources, passes))
+        return sources, permute(within, sizes, round_keys(self.seed, sources, passes)), passes
 
     def _mix(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Source of each position and how many samples that source had drawn before it."""
