@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "HFTextDataModule": "datamodules.text.hf_text",
     "HFTextSource": "datamodules.text.hf_text",
+    "HiddenStatesDataModule": "datamodules.speculative.hidden_states_datamodule",
     "ImageTextDataModule": "datamodules.vision.image_text_datamodule",
     "ImageTextSource": "datamodules.vision.image_text_source",
     "MixtureComponent": "datamodules.mixture",
@@ -34,6 +35,7 @@ _EXPORTS = {
 __all__ = [
     "HFTextDataModule",
     "HFTextSource",
+    "HiddenStatesDataModule",
     "ImageTextDataModule",
     "ImageTextSource",
     "MixtureComponent",
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.speculative.hidden_states_datamodule import HiddenStatesDataModule
     from datamodules.speculative.multipack import MultipackBatchSampler
     from datamodules.text.hf_text import HFTextDataModule, HFTextSource
     from datamodules.text.token_shard_datamodule import TokenShardDataModule

@@ -278,8 +278,14 @@ class PlanDataModule(LightningDataModule):
             pin = False
         return {"pin_memory": pin, "prefetch_factor": self.prefetch_factor}
 
+    # How worker processes start (``"fork"``, ``"spawn"``, ``"forkserver"``); ``None``: the platform's default.
+    worker_start_method: str | None = None
+
     def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
-        return PlanDataLoader(dataset, sampler, self.num_workers, **self._loader_options())
+        options = self._loader_options()
+        return PlanDataLoader(
+            dataset, sampler, self.num_workers, multiprocessing_context=self.worker_start_method, **options
+        )
 
     def _log_summary(self, steps_per_epoch: int) -> None:
         """What the data is, once per fit on rank 0: samples, tokens, steps per epoch, passes implied."""

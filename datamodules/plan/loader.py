@@ -33,9 +33,12 @@ class Source(Protocol):
 
     def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]: ...
 
-    # A source with ``uses_sample_keys = True`` gets ``fetch(indices, keys)``: one uint64 per sample,
+    # A source with ``uses_sample_keys = True`` gets ``fetch(indices, keys=...)``: one uint64 per sample,
     # a pure function of (seed, plan position), from which it draws any random choice (augmentation),
-    # so a sample looks the same on every run, with any worker count, and after resume.
+    # so a sample looks the same on every run, with any worker count, and after resume. One with
+    # ``uses_passes = True`` also gets ``passes=...``: how many passes over it came before each sample
+    # (packed rows are packed afresh every pass). A source may define ``mask_rows(batch, invalid)``
+    # to take the loss off padding rows; the default sets their ``labels`` to ``IGNORE_INDEX``.
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]: ...
 
@@ -61,37 +64,47 @@ class PlanDataset(Dataset):
         self.limit = limit
         # Where each plan source starts inside the joined ``source``.
         self._offsets = np.cumsum([0] + [s.num_samples for s in plan.sources[:-1]])
-        self._chunk = (0, np.empty(0, dtype=np.int64))
+        self._chunk = (0, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def _indices(self, first: int, stop: int) -> np.ndarray:
+    def _indices(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample indices (in the joined source) and passes of positions ``[first, stop)``."""
         # The plan is evaluated a chunk of positions at a time: its per-call overhead then vanishes.
-        chunk_first, indices = self._chunk
+        chunk_first, indices, passes = self._chunk
         if not chunk_first <= first <= stop <= chunk_first + len(indices):
-            sources, indices = self.plan.locate(np.arange(first, first + max(_CHUNK, stop - first)))
+            sources, indices, passes = self.plan.locate_in_passes(np.arange(first, first + max(_CHUNK, stop - first)))
             indices += self._offsets[sources]
-            self._chunk = chunk_first, indices = first, indices
-        return indices[first - chunk_first : stop - chunk_first]
+            self._chunk = chunk_first, indices, passes = first, indices, passes
+        return indices[first - chunk_first : stop - chunk_first], passes[first - chunk_first : stop - chunk_first]
 
     def __getitem__(self, span: tuple[int, ...]) -> dict[str, np.ndarray]:
         """Samples at positions ``[first, stop)``; a third value (or ``limit``) pads positions from it on."""
         first, stop = span[:2]
         limit = span[2] if len(span) > 2 else self.limit
         if limit is None:
-            return self._fetch(self._indices(first, stop), first)
+            return self._fetch(*self._indices(first, stop), first)
         valid = np.arange(first, stop) < limit
         indices = np.zeros(stop - first, dtype=np.int64)
+        passes = np.zeros(stop - first, dtype=np.int64)
         real = int(valid.sum())
-        indices[:real] = self._indices(first, first + real)
-        return {**self._fetch(indices, first), "valid": valid}
+        indices[:real], passes[:real] = self._indices(first, first + real)
+        return {**self._fetch(indices, passes, first), "valid": valid}
 
-    def _fetch(self, indices: np.ndarray, first: int) -> dict[str, np.ndarray]:
-        if not getattr(self.source, "uses_sample_keys", False):
-            return self.source.fetch(indices)
-        positions = np.arange(first, first + len(indices), dtype=np.uint64)
-        return self.source.fetch(indices, mix64(positions ^ mix64(np.array([self.plan.seed], dtype=np.uint64))))
+    def _fetch(self, indices: np.ndarray, passes: np.ndarray, first: int) -> dict[str, np.ndarray]:
+        extra = {}
+        if getattr(self.source, "uses_sample_keys", False):
+            positions = np.arange(first, first + len(indices), dtype=np.uint64)
+            extra["keys"] = mix64(positions ^ mix64(np.array([self.plan.seed], dtype=np.uint64)))
+        if getattr(self.source, "uses_passes", False):
+            extra["passes"] = passes
+        return self.source.fetch(indices, **extra)
+
+
+def mask_labels(batch: dict[str, torch.Tensor], invalid: torch.Tensor) -> None:
+    """Padding rows take no loss: their ``labels`` become ``IGNORE_INDEX``."""
+    batch["labels"][invalid] = IGNORE_INDEX
 
 
 def keep_raw(raw: Any) -> Any:
@@ -116,6 +129,7 @@ class PlanDataLoader(DataLoader):
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
+        multiprocessing_context: str | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -125,6 +139,7 @@ class PlanDataLoader(DataLoader):
             collate_fn=keep_raw,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
         )
         # Tensors are built here in the main process, so they are pinned here, on both paths; the
         # DataLoader's own pinning would only see the workers' numpy arrays.
@@ -139,10 +154,11 @@ class PlanDataLoader(DataLoader):
         else:
             raws = itertools.chain.from_iterable(super().__iter__())
         to_batch = self.dataset.source.to_batch
+        mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:
             batch = to_batch(raw)
             if "valid" in raw:
-                batch["labels"][torch.from_numpy(~raw["valid"])] = IGNORE_INDEX
+                mask_rows(batch, torch.from_numpy(~raw["valid"]))
             yield {key: value.pin_memory() for key, value in batch.items()} if self.pin_batches else batch
 
     # Resume state lives in the DataModule (positions consumed, derived from the training loop).

@@ -4,26 +4,16 @@ replacement drawn from the sample's own index, so every run, worker count and re
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 
+from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.permutation import mix64
-from datamodules.vision.images import BadSample
 
-log = logging.getLogger(__name__)
-
-BAD_SAMPLE_POLICIES = ("raise", "skip")
 MAX_REPLACEMENTS = 16
 T = TypeVar("T")
-
-
-def check_policy(policy: str, allowed: tuple[str, ...] = BAD_SAMPLE_POLICIES, option: str = "on_bad_sample") -> str:
-    if policy not in allowed:
-        raise ValueError(f"{option} must be one of {allowed}, got {policy!r}")
-    return policy
 
 
 def replacement(index: int, attempt: int, n: int) -> int:
@@ -57,24 +47,3 @@ def sample_or_replacement(
             skipped.append((describe(candidate), str(err)))
         candidate = replacement(index, attempt, n)
     raise BadSample(f"{describe(index)} and its {MAX_REPLACEMENTS} replacements are all bad: is the dataset broken?")
-
-
-class BadSampleLog:
-    """Counts the samples skipped so far in this process and logs each the first time it is seen."""
-
-    def __init__(self, action: str = "skipped bad sample %s (%s) for a deterministic replacement") -> None:
-        self.reasons: dict[str, str] = {}
-        self.replacements = 0  # samples met bad, a sample met twice counting twice
-        self.action = action
-
-    def record(self, skipped: list[tuple[str, str]]) -> None:
-        for sample, reason in skipped:
-            self.replacements += 1
-            if sample not in self.reasons:
-                self.reasons[sample] = reason
-                log.warning(
-                    self.action + "; %d bad samples so far",
-                    sample,
-                    reason,
-                    len(self.reasons),
-                )

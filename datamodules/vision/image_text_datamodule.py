@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.bad_samples import BadSampleLog
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.vision.bad_samples import BadSampleLog
 from datamodules.vision.image_text_samples import ImageTextSamples
 from datamodules.vision.image_text_source import ImageTextSource
 

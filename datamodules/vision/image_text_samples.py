@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.permutation import permute, round_keys
 from datamodules.plan.randomness import seeded
-from datamodules.vision.bad_samples import BadSampleLog, sample_or_replacement
-from datamodules.vision.images import BadSample, ImagePixels, read_image
+from datamodules.vision.bad_samples import sample_or_replacement
+from datamodules.vision.images import ImagePixels, read_image
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.vlm_processor import ProcessorInputs

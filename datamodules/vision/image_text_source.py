@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.vision.bad_samples import check_policy
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples, RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id

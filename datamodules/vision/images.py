@@ -14,14 +14,12 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torchvision.transforms import v2
 
+from datamodules.plan.bad_samples import BadSample
+
 RESIZE_MODES = ("square", "crop")
 # OpenAI CLIP's statistics, which most open VLM vision towers (LLaVA's among them) were trained with.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-class BadSample(ValueError):
-    """A sample that cannot be trained on (an unreadable image, text that does not fit), and why."""
 
 
 def read_image(data: bytes | None, path: str | None, draft_size: int | None = None) -> Image.Image:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datamodules.vision.bad_samples import BadSampleLog
+from datamodules.plan.bad_samples import BadSampleLog
 
 
 class JoinedSamples:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.vision.images import BadSample
 
 
 def pad_token_id(tokenizer: Any, name: str) -> int:

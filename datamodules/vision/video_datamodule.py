@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.bad_samples import BadSampleLog
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.vision.bad_samples import BadSampleLog
 from datamodules.vision.video_samples import VideoSamples
 from datamodules.vision.video_source import VideoSource
 

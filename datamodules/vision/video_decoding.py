@@ -24,7 +24,7 @@ from typing import Any
 import av
 import numpy as np
 
-from datamodules.vision.images import BadSample
+from datamodules.plan.bad_samples import BadSample
 
 _PROBE_PACKETS = 2000  # packets read at most to find the second keyframe
 

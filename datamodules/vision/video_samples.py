@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.vision.bad_samples import BadSampleLog
 from datamodules.vision.frame_sampling import FrameSampler
 from datamodules.vision.image_text_samples import RowSplit
-from datamodules.vision.images import BadSample, ImagePixels, ResizeImage
+from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.video_decoding import read_frames

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.vision.bad_samples import check_policy
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.image_text_samples import RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels

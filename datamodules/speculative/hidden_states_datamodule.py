@@ -1,0 +1,184 @@
+"""``HiddenStatesDataModule``: packed rows of conversations and their verifier hidden states for
+training speculative-decoding draft models (EAGLE-style), through the sample plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.plan.arguments import require_int
+from datamodules.plan.bad_samples import BadSampleLog, check_policy
+from datamodules.plan.datamodule import PlanDataModule
+from datamodules.plan.hf_loading import is_saved_dataset, load_split
+from datamodules.plan.sample_plan import SamplePlan
+from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows, column_lengths
+from datamodules.speculative.hidden_states_store import STORES, HiddenStatesStore
+from datamodules.speculative.multipack import OverLong
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COLUMNS = ("input_ids", "loss_mask", "seq_len")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def require_ratio(train_ratio: float) -> float:
+    if isinstance(train_ratio, bool) or not isinstance(train_ratio, int | float) or not 0 < train_ratio < 1:
+        raise ValueError(f"train_ratio must be a number in (0, 1), got {train_ratio!r}")
+    return float(train_ratio)
+
+
+def train_rows(num_rows: int, train_ratio: float) -> int:
+    """Rows ``[0, k)`` train and ``[k, num_rows)`` validate: ``k = round(num_rows * train_ratio)``."""
+    k = round(num_rows * require_ratio(train_ratio))
+    if not 0 < k < num_rows:
+        raise ValueError(
+            f"train_ratio={train_ratio} of {num_rows} rows leaves {k} for training and {num_rows - k} for "
+            "validation; both splits need at least one row"
+        )
+    return k
+
+
+class HiddenStatesDataModule(PlanDataModule):
+    """Trains a draft model on packed rows: one row of ``total_seq_len`` tokens per rank per step.
+
+    Reads, unchanged, what the ``speculators`` project writes: a ``datasets`` ``save_to_disk`` folder
+    with ``input_ids``, ``loss_mask`` and ``seq_len``, and ``hidden_states/hs_{i}.safetensors`` for
+    dataset row ``i``, holding ``hidden_states`` ``[T, L, H]`` and ``token_ids`` ``[T]``. Rows are
+    packed by multipack (``PackedRows``: best-fit decreasing, afresh every pass) and are the plan's
+    samples: order, exact O(1) and elastic resume and coverage are the plan's, and the rows do not
+    depend on the number of ranks. Batches: see ``HiddenStateRows``.
+
+    Args:
+        data_dir: the ``save_to_disk`` folder.
+        total_seq_len: tokens per packed row.
+        hidden_states_dir: where the ``hs_{i}.safetensors`` files are; default ``data_dir/hidden_states``.
+        train_ratio: rows ``[0, round(n * train_ratio))`` train, the rest validate; in (0, 1).
+        dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``: the hidden states' dtype.
+        on_missing: states missing or not matching their tokens: ``"raise"`` (default), ``"skip"``
+            (counted, logged once each) or ``"warn"`` (each also logged when met).
+        noise, noise_std: training-only noise on ``hidden_states``: ``"uniform"`` on
+            ``(-noise_std, noise_std)`` (its standard deviation is ``noise_std / sqrt(3)``) or
+            ``"gaussian"`` with standard deviation ``noise_std``; default 0: none.
+        over_long: a conversation longer than a row is ``"truncate"``-d (default) or ``"drop"``-ped.
+        length_quantum: see ``PackedRows``.
+        preprocess: a function on each batch, such as
+            ``datamodules.speculative.preprocess.shift_tokens_left`` (the EAGLE-3 shift).
+        store: the hidden-states backend, a key of ``STORES`` (default ``"files"``).
+        worker_start_method: how DataLoader workers start: ``"spawn"`` (default: safe once CUDA is
+            initialised), ``"fork"`` or ``"forkserver"``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+
+    Example::
+
+        dm = HiddenStatesDataModule("data/sharegpt_llama", total_seq_len=8192, num_workers=4)
+        trainer.fit(draft, datamodule=dm)
+    """
+
+    def __init__(
+        self,
+        data_dir: str,
+        total_seq_len: int,
+        hidden_states_dir: str | None = None,
+        train_ratio: float = 0.9,
+        dtype: str = "bfloat16",
+        on_missing: str = "raise",
+        noise: str = "uniform",
+        noise_std: float = 0.0,
+        over_long: OverLong = "truncate",
+        length_quantum: int | None = None,
+        preprocess: Callable[[Batch], Batch] | None = None,
+        store: str = "files",
+        worker_start_method: str = "spawn",
+        seed: int = 0,
+        num_workers: int = 0,
+        allow_plan_change: bool = False,
+        pin_memory: bool | None = None,
+        prefetch_factor: int | None = None,
+    ) -> None:
+        super().__init__(
+            1,
+            seed=seed,
+            num_workers=num_workers,
+            allow_plan_change=allow_plan_change,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+        )
+        self.data_dir = str(data_dir)
+        self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
+        self.hidden_states_dir = str(hidden_states_dir or Path(data_dir) / "hidden_states")
+        self.train_ratio = require_ratio(train_ratio)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self.on_missing = check_policy(on_missing, MISSING_POLICIES, "on_missing")
+        self.noise = check_policy(noise, NOISES, "noise")
+        if isinstance(noise_std, bool) or not isinstance(noise_std, int | float) or not noise_std >= 0:
+            raise ValueError(f"noise_std must be a number >= 0, got {noise_std!r}")
+        self.noise_std = float(noise_std)
+        self.over_long, self.length_quantum, self.preprocess = over_long, length_quantum, preprocess
+        self.store = check_policy(store, tuple(STORES), "store")
+        self.worker_start_method = check_policy(worker_start_method, START_METHODS, "worker_start_method")
+        self.save_hyperparameters(ignore=["preprocess"])
+
+    def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
+        dataset = self._load()
+        first_val = train_rows(len(dataset), self.train_ratio)
+        store = STORES[self.store](self.hidden_states_dir)
+        layers, hidden_size = self.on_rank_zero(lambda: self._state_shape(store, len(dataset)))
+        common = {
+            "total_seq_len": self.total_seq_len,
+            "layers": layers,
+            "hidden_size": hidden_size,
+            "dtype": DTYPES[self.dtype],
+            "seed": self.seed,
+            "over_long": self.over_long,
+            "length_quantum": self.length_quantum,
+            "on_missing": self.on_missing,
+            "preprocess": self.preprocess,
+        }
+        train = HiddenStateRows(
+            dataset, 0, first_val, store, noise=self.noise, noise_std=self.noise_std, name="train", **common
+        )
+        val = HiddenStateRows(dataset, first_val, len(dataset), store, name="validation", **common)
+        return [("train", train, val)]
+
+    def _load(self) -> Any:
+        if not is_saved_dataset(self.data_dir):
+            raise ValueError(f"data_dir {self.data_dir!r} is not a folder written by datasets' save_to_disk")
+        dataset = load_split(self.data_dir, "train")
+        missing = [c for c in COLUMNS if c not in dataset.column_names]
+        if missing:
+            raise ValueError(f"{self.data_dir} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")
+        seq_len = np.asarray(dataset.data.column("seq_len"), dtype=np.int64)
+        for column in ("input_ids", "loss_mask"):
+            wrong = np.flatnonzero(column_lengths(dataset, column) != seq_len)
+            if len(wrong):
+                raise ValueError(
+                    f"{self.data_dir}: row {int(wrong[0])} has seq_len {int(seq_len[wrong[0]])} but "
+                    f"{int(column_lengths(dataset, column)[wrong[0]])} {column} ({len(wrong)} such rows)"
+                )
+        return dataset
+
+    def _state_shape(self, store: HiddenStatesStore, num_rows: int) -> tuple[int, int]:
+        """``(L, H)`` of the first cached state: every state must have them, so all ranks agree on shapes."""
+        for row in range(num_rows):
+            states = store.lookup(row)
+            if states is not None:
+                layers, hidden_size = states["hidden_states"].shape[1:]
+                if layers < 2:
+                    raise ValueError(f"{store.describe(row)} holds {layers} layer; draft training needs at least 2")
+                return int(layers), int(hidden_size)
+        raise ValueError(f"no hidden states found for any of the {num_rows} rows in {self.hidden_states_dir}")
+
+    def build_plan(self, position: int, step: int) -> SamplePlan:
+        # Packed rows arrive in the packer's own order, keyed by the pass; the plan adds no shuffle.
+        return SamplePlan(tuple(self.sources), seed=self.seed, shuffle=False)
+
+    @property
+    def bad_samples(self) -> BadSampleLog:
+        """Conversations not trained on in this process so far (missing or invalid states)."""
+        self._require_setup()
+        return self._train.bad_samples

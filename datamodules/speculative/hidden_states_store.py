@@ -1,0 +1,106 @@
+"""Where a sample's verifier hidden states live: a small transfer interface, its checks, and the
+default backend, the ``hidden_states/hs_{i}.safetensors`` files the ``speculators`` project writes.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from datamodules.plan.bad_samples import BadSample
+
+States = dict[str, torch.Tensor]  # ``hidden_states`` [T, L, H] and ``token_ids`` [T]
+
+
+class HiddenStatesStore(ABC):
+    """Look up the cached states of a sample, fetch generated ones, cache them, delete them.
+
+    A backend (shared memory, a key-value store) is one class registered in ``STORES``; a
+    DataModule names it by key. Methods raise ``BadSample`` for a state that exists but cannot be
+    read, and are called from DataLoader workers, so a backend must pickle (open connections lazily).
+    """
+
+    def describe(self, index: int) -> str:
+        """Row ``index``'s states in words, for messages (a file's path, a key)."""
+        return f"row {index}"
+
+    @abstractmethod
+    def lookup(self, index: int) -> States | None:
+        """The cached states of dataset row ``index``, or ``None`` when there are none."""
+
+    @abstractmethod
+    def fetch(self, location: str) -> States:
+        """States a generator wrote at ``location`` (a vLLM server's ``hidden_states_path``)."""
+
+    @abstractmethod
+    def cache(self, index: int, states: States) -> None:
+        """Keep ``states`` as row ``index``'s, so the next lookup finds them; atomic: a reader sees
+        the whole state or none."""
+
+    @abstractmethod
+    def delete(self, location: str) -> None:
+        """Remove what a generator wrote at ``location`` (``on_generate="delete"``)."""
+
+
+class HiddenStateFiles(HiddenStatesStore):
+    """``directory/hs_{index}.safetensors``, each holding ``hidden_states`` and ``token_ids``."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"hs_{index}.safetensors"
+
+    def describe(self, index: int) -> str:
+        return str(self.path(index))
+
+    def lookup(self, index: int) -> States | None:
+        path = self.path(index)
+        return self.fetch(str(path)) if path.exists() else None
+
+    def fetch(self, location: str) -> States:
+        try:
+            return load_file(location)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise BadSample(f"cannot read hidden states {location}: {err}") from None
+
+    def cache(self, index: int, states: States) -> None:
+        write_atomically(self.path(index), states)
+
+    def delete(self, location: str) -> None:
+        Path(location).unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, states: States) -> None:
+    """Write ``states`` to ``path`` through a partial file renamed when complete: a crash leaves no
+    half-written ``hs_*.safetensors`` for a reader to take as valid."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    save_file({key: value.contiguous() for key, value in states.items()}, str(partial))
+    os.replace(partial, path)
+
+
+STORES: dict[str, type[HiddenStatesStore]] = {"files": HiddenStateFiles}
+
+
+def check_states(states: States, input_ids: torch.Tensor, layers: int | None, hidden_size: int | None) -> str | None:
+    """Why ``states`` are not the hidden states of ``input_ids`` (``None`` when they are): the token
+    ids differ, the shape is not ``[T, layers, hidden_size]``, or a value is not finite."""
+    if "hidden_states" not in states or "token_ids" not in states:
+        return f"holds {sorted(states)}, not 'hidden_states' and 'token_ids'"
+    hidden, tokens = states["hidden_states"], states["token_ids"]
+    if tokens.shape != input_ids.shape or not torch.equal(tokens.to(torch.int64), input_ids):
+        return f"its token_ids ({tokens.numel()} tokens) are not the row's input_ids ({input_ids.numel()} tokens)"
+    if hidden.ndim != 3:
+        return f"hidden_states has shape {tuple(hidden.shape)}, expected [T, layers, hidden]"
+    expected = (len(input_ids), layers or hidden.shape[1], hidden_size or hidden.shape[2])
+    if tuple(hidden.shape) != expected:
+        return f"hidden_states has shape {tuple(hidden.shape)}, expected [T, layers, hidden] = {list(expected)}"
+    if not torch.isfinite(hidden).all():
+        return "hidden_states holds NaN or infinite values"
+    return None
