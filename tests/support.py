@@ -69,8 +69,27 @@ def batch_digest(batch: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha1()
     for key in sorted(batch):
         h.update(key.encode())
-        h.update(batch[key].detach().cpu().contiguous().numpy().tobytes())
+        value = batch[key].detach().cpu().contiguous()
+        h.update((value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes())
     return h.hexdigest()
+
+
+def real_rows(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rows that take a loss (padding rows take none): by ``labels``, or by a speculator's ``loss_mask``."""
+    if "labels" in batch:
+        return (batch["labels"] != -100).any(dim=1)
+    return (batch["loss_mask"] != 0).any(dim=1)
+
+
+def sample_digests(batch: dict[str, torch.Tensor], real: torch.Tensor) -> list[str]:
+    """A digest per sample in the real rows: per row, or per document of a packed row (``document_ids``)."""
+    if "document_ids" not in batch:
+        return [row_digest(row) for row in batch["input_ids"][real]]
+    return [
+        row_digest(tokens[documents == d])
+        for tokens, documents in zip(batch["input_ids"][real], batch["document_ids"][real], strict=True)
+        for d in range(int(documents.max()) + 1)
+    ]
 
 
 class RecordingModel(LightningModule):
@@ -89,13 +108,13 @@ class RecordingModel(LightningModule):
         self.validation_rows: list[str] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        real = (batch["labels"] != -100).any(dim=1)
+        real = real_rows(batch)
         record = {
             "step": self.global_step,
             "digest": batch_digest(batch),
             # Padding rows (no label at all) hold no sample: only real rows count as consumed.
             "starts": batch["input_ids"][real, 0].tolist(),
-            "rows": [row_digest(row) for row in batch["input_ids"][real]],
+            "rows": sample_digests(batch, real),
             "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
         }
         self.records.append(record)
@@ -108,8 +127,7 @@ class RecordingModel(LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.trainer.sanity_checking:  # a peek before training, not the evaluation
             return
-        real = (batch["labels"] != -100).any(dim=1)
-        rows = [row_digest(row) for row in batch["input_ids"][real]]
+        rows = sample_digests(batch, real_rows(batch))
         self.validation_rows += rows
         if self.record_path:
             with open(f"{self.record_path}.val.rank{self.global_rank}", "a") as f:

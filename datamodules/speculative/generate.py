@@ -109,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="the save_to_disk folder (input_ids, loss_mask, seq_len)")
     parser.add_argument("--model", required=True, help="a transformers causal LM: hub name or local path")
-    parser.add_argument("--layers", help="comma-separated hidden_states indices, the last one predicted; "
-                        "default: a low, a middle, a high and the last layer")
+    parser.add_argument(
+        "--layers",
+        help="comma-separated hidden_states indices, the last one predicted; "
+        "default: a low, a middle, a high and the last layer",
+    )
     parser.add_argument("--hidden-states-dir", help="default: DATA_DIR/hidden_states")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -31,8 +31,8 @@ def require_ratio(train_ratio: float) -> float:
 
 
 def train_rows(num_rows: int, train_ratio: float) -> int:
-    """Rows ``[0, k)`` train and ``[k, num_rows)`` validate: ``k = round(num_rows * train_ratio)``."""
-    k = round(num_rows * require_ratio(train_ratio))
+    """Rows ``[0, k)`` train and ``[k, num_rows)`` validate: ``k`` is ``num_rows * train_ratio`` rounded half up."""
+    k = int(num_rows * require_ratio(train_ratio) + 0.5)
     if not 0 < k < num_rows:
         raise ValueError(
             f"train_ratio={train_ratio} of {num_rows} rows leaves {k} for training and {num_rows - k} for "
@@ -55,7 +55,7 @@ class HiddenStatesDataModule(PlanDataModule):
         data_dir: the ``save_to_disk`` folder.
         total_seq_len: tokens per packed row.
         hidden_states_dir: where the ``hs_{i}.safetensors`` files are; default ``data_dir/hidden_states``.
-        train_ratio: rows ``[0, round(n * train_ratio))`` train, the rest validate; in (0, 1).
+        train_ratio: rows ``[0, n * train_ratio)`` (rounded half up) train, the rest validate; in (0, 1).
         dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``: the hidden states' dtype.
         on_missing: states missing or not matching their tokens: ``"raise"`` (default), ``"skip"``
             (counted, logged once each) or ``"warn"`` (each also logged when met).

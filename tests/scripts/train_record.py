@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from datamodules import (  # noqa: E402
     HFTextDataModule,
+    HiddenStatesDataModule,
     ImageTextDataModule,
     MixtureComponent,
     MixtureDataModule,
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
+    data.add_argument("--hidden-states", help="a save_to_disk folder with hidden_states/ (HiddenStatesDataModule)")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image/video-folder: held out")
+    parser.add_argument("--train-ratio", type=float, default=0.9, help="with --hidden-states")
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
@@ -163,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
             frame_options={"fps": 2.0},
             val_fraction=args.val_fraction,
             **loading,
+        )
+    elif args.hidden_states:
+        del loading["batch_size"]  # one packed row per rank per step
+        datamodule = HiddenStatesDataModule(
+            args.hidden_states, total_seq_len=loading.pop("seq_len"), train_ratio=args.train_ratio, **loading
         )
     elif args.hf_json:
         cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))

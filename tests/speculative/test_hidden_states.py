@@ -1,0 +1,274 @@
+"""HiddenStatesDataModule on real files: the speculators layout, hidden states from a real (tiny)
+``transformers`` model, packed rows checked by hand, bad states never trained on, the split,
+noise, the EAGLE-3 shift, and exact resume through ``Trainer.fit`` with workers 0 and 2."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import load_file, save_file
+
+from datamodules import HiddenStatesDataModule
+from datamodules.plan.bad_samples import BadSample
+from datamodules.speculative.hidden_states_datamodule import train_rows
+from datamodules.speculative.preprocess import shift_tokens_left
+from tests.speculative.speculative_data import HIDDEN, conversations, speculative_dataset
+from tests.support import RecordingModel, quiet_trainer, row_digest
+
+ROWS, ROW_LEN = 60, 64
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return speculative_dataset(tmp_path_factory.mktemp("speculative"), ROWS)
+
+
+@pytest.fixture
+def own_data(tmp_path: Path) -> Path:
+    """A copy of the data this test may damage."""
+    return speculative_dataset(tmp_path, 30)
+
+
+def datamodule(data_dir: Path, **kw: object) -> HiddenStatesDataModule:
+    dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN, **kw)
+    dm.setup("fit")
+    return dm
+
+
+def dataset_rows(data_dir: Path) -> list[dict]:
+    import datasets
+
+    return datasets.load_from_disk(str(data_dir)).to_list()
+
+
+def conversation_digests(batches: list[dict]) -> list[str]:
+    return [
+        row_digest(tokens[documents == d])
+        for batch in batches
+        for tokens, documents in zip(batch["input_ids"], batch["document_ids"], strict=True)
+        for d in range(int(documents.max()) + 1)
+    ]
+
+
+def test_a_packed_row_holds_each_conversation_with_its_states_positions_and_document(data_dir: Path) -> None:
+    dm = datamodule(data_dir, dtype="float32")
+    rows = dataset_rows(data_dir)
+    source = dm._train
+    for step, batch in zip(range(4), dm.train_dataloader(), strict=False):
+        (row,) = dm.plan.locate(np.array([step]))[1]
+        conversations_in_row = source.packed.row(0, int(row)).tolist()
+        filled = 0
+        for document, conversation in enumerate(conversations_in_row):
+            expected, n = rows[conversation], rows[conversation]["seq_len"]
+            states = load_file(str(data_dir / "hidden_states" / f"hs_{conversation}.safetensors"))["hidden_states"]
+            at = slice(filled, filled + n)
+            assert batch["input_ids"][0, at].tolist() == expected["input_ids"]
+            assert batch["loss_mask"][0, at].tolist() == expected["loss_mask"]
+            assert batch["position_ids"][0, at].tolist() == list(range(n))
+            assert (batch["document_ids"][0, at] == document).all()
+            assert torch.equal(batch["hidden_states"][0, at], states[:, :2].flatten(1))  # layers 1, 2 of 3
+            assert torch.equal(batch["verifier_last_hidden_states"][0, at], states[:, 2])
+            filled += n
+        assert filled <= ROW_LEN
+        padding = slice(filled, ROW_LEN)
+        assert (batch["document_ids"][0, padding] == -1).all() and (batch["loss_mask"][0, padding] == 0).all()
+        assert (batch["input_ids"][0, padding] == 0).all() and (batch["hidden_states"][0, padding] == 0).all()
+        assert batch["hidden_states"].shape == (1, ROW_LEN, 2 * HIDDEN)
+        assert batch["verifier_last_hidden_states"].shape == (1, ROW_LEN, HIDDEN)
+
+
+def test_hidden_states_are_cast_to_the_configured_dtype_during_the_copy(data_dir: Path) -> None:
+    wide = next(iter(datamodule(data_dir, dtype="float32").train_dataloader()))
+    narrow = next(iter(datamodule(data_dir).train_dataloader()))
+    assert narrow["hidden_states"].dtype == torch.bfloat16
+    assert torch.equal(narrow["hidden_states"], wide["hidden_states"].to(torch.bfloat16))
+    assert torch.equal(narrow["verifier_last_hidden_states"], wide["verifier_last_hidden_states"].to(torch.bfloat16))
+
+
+def one_epoch(dm: HiddenStatesDataModule) -> list[dict]:
+    return list(dm.train_dataloader())
+
+
+def test_an_epoch_trains_every_training_conversation_once_and_validation_holds_the_rest(data_dir: Path) -> None:
+    dm = datamodule(data_dir)
+    rows = dataset_rows(data_dir)
+    first_val = train_rows(ROWS, 0.9)
+    trained = Counter(conversation_digests(one_epoch(dm)))
+    validated = Counter(conversation_digests(list(dm.val_dataloader())))
+    digest = [row_digest(torch.tensor(r["input_ids"])) for r in rows]
+    assert trained == Counter(digest[:first_val]) and validated == Counter(digest[first_val:])
+
+
+@pytest.mark.parametrize("size", [20, 101, 997])
+def test_train_and_validation_rows_are_contiguous_complementary_and_disjoint(size: int) -> None:
+    for ratio in (0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.75, 0.9, 0.95):
+        k = train_rows(size, ratio)
+        train, val = set(range(k)), set(range(k, size))
+        assert 0 < k < size and not train & val and train | val == set(range(size))
+        assert k == int(size * ratio + 0.5)
+
+
+def damage_states(data_dir: Path, row: int, how: str) -> Path:
+    path = data_dir / "hidden_states" / f"hs_{row}.safetensors"
+    if how == "missing":
+        path.unlink()
+    elif how == "other tokens":
+        states = load_file(str(path))
+        states["token_ids"] = states["token_ids"].flip(0)
+        save_file(states, str(path))
+    elif how == "not finite":
+        states = load_file(str(path))
+        states["hidden_states"][0, 0, 0] = float("nan")
+        save_file(states, str(path))
+    elif how == "not safetensors":
+        path.write_bytes(b"not a safetensors file")
+    return path
+
+
+@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "not safetensors"])
+def test_bad_states_raise_naming_the_file(own_data: Path, how: str) -> None:
+    path = damage_states(own_data, 4, how)
+    with pytest.raises(BadSample, match=f"{path}.*on_missing='skip'"):
+        one_epoch(datamodule(own_data))
+
+
+@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "not safetensors"])
+def test_skipped_conversations_are_never_trained_on_and_counted(own_data: Path, how: str) -> None:
+    damage_states(own_data, 4, how)
+    damage_states(own_data, 9, how)
+    dm = datamodule(own_data, on_missing="skip")
+    rows = dataset_rows(own_data)
+    trained = Counter(conversation_digests(one_epoch(dm)))
+    expected = Counter(row_digest(torch.tensor(r["input_ids"])) for i, r in enumerate(rows[:27]) if i not in (4, 9))
+    assert trained == expected
+    assert len(dm.bad_samples.reasons) == 2
+    assert one_epoch(datamodule(own_data, on_missing="skip"))[0].keys() == one_epoch(dm)[0].keys()
+
+
+def test_warn_logs_every_conversation_it_leaves_out(own_data: Path, caplog: pytest.LogCaptureFixture) -> None:
+    damage_states(own_data, 4, "missing")
+    with caplog.at_level(logging.WARNING, logger="datamodules"):
+        one_epoch(datamodule(own_data, on_missing="warn"))
+        one_epoch_again = one_epoch(datamodule(own_data, on_missing="warn"))
+    assert sum("hs_4.safetensors" in r.getMessage() and "not trained on" in r.getMessage() for r in caplog.records) >= 2
+    assert one_epoch_again
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"train_ratio": 0.0}, r"train_ratio must be a number in \(0, 1\), got 0.0"),
+        ({"train_ratio": 1.0}, r"train_ratio must be a number in \(0, 1\), got 1.0"),
+        ({"train_ratio": 1.5}, r"got 1.5"),
+        ({"train_ratio": True}, r"got True"),
+        ({"dtype": "int8"}, r"dtype must be one of \('float32', 'bfloat16', 'float16'\), got 'int8'"),
+        ({"on_missing": "ignore"}, r"on_missing must be one of \('skip', 'warn', 'raise'\), got 'ignore'"),
+        ({"noise": "laplace"}, r"noise must be one of \('uniform', 'gaussian'\), got 'laplace'"),
+        ({"noise_std": -0.1}, r"noise_std must be a number >= 0, got -0.1"),
+        ({"store": "redis"}, r"store must be one of \('files',\), got 'redis'"),
+        ({"worker_start_method": "thread"}, r"worker_start_method must be one of"),
+        ({"total_seq_len": 0}, r"total_seq_len must be a positive integer, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HiddenStatesDataModule(str(tmp_path), **{"total_seq_len": ROW_LEN, **kwargs})
+
+
+def test_setup_refuses_data_it_cannot_read_with_one_message(tmp_path: Path, data_dir: Path) -> None:
+    with pytest.raises(ValueError, match="is not a folder written by datasets' save_to_disk"):
+        datamodule(tmp_path)
+    no_mask = tmp_path / "no_mask"
+    conversations(5).remove_columns("loss_mask").save_to_disk(str(no_mask))
+    with pytest.raises(ValueError, match=r"has no column \['loss_mask'\]"):
+        datamodule(no_mask)
+    wrong = tmp_path / "wrong_len"
+    conversations(5).map(lambda r, i: {"seq_len": r["seq_len"] + (i == 2)}, with_indices=True).save_to_disk(str(wrong))
+    with pytest.raises(ValueError, match="row 2 has seq_len .* input_ids"):
+        datamodule(wrong)
+    with pytest.raises(ValueError, match="no hidden states found for any of the 60 rows in /nowhere"):
+        datamodule(data_dir, hidden_states_dir="/nowhere")
+    with pytest.raises(ValueError, match="leaves 0 for training and 60 for validation"):
+        datamodule(data_dir, train_ratio=0.001)
+
+
+def test_noise_is_for_training_only_bounded_as_documented_and_the_same_on_every_run(data_dir: Path) -> None:
+    clean = datamodule(data_dir, dtype="float32")
+    uniform = datamodule(data_dir, dtype="float32", noise_std=0.05)
+    gaussian = datamodule(data_dir, dtype="float32", noise="gaussian", noise_std=0.05)
+    base, noisy, normal = (next(iter(dm.train_dataloader())) for dm in (clean, uniform, gaussian))
+    real = base["document_ids"][0] >= 0
+    difference = (noisy["hidden_states"] - base["hidden_states"])[0, real]
+    assert 0 < difference.abs().max() < 0.05
+    assert abs(difference.std().item() - 0.05 / 3**0.5) < 0.01  # uniform on (-s, s): std s / sqrt(3)
+    assert abs((normal["hidden_states"] - base["hidden_states"])[0, real].std().item() - 0.05) < 0.01
+    assert torch.equal(noisy["verifier_last_hidden_states"], base["verifier_last_hidden_states"])
+    assert torch.equal(
+        next(iter(uniform.val_dataloader()))["hidden_states"], next(iter(clean.val_dataloader()))["hidden_states"]
+    )
+    again = next(iter(datamodule(data_dir, dtype="float32", noise_std=0.05).train_dataloader()))
+    assert torch.equal(again["hidden_states"], noisy["hidden_states"])
+
+
+def test_the_eagle3_shift_moves_tokens_one_left_within_each_conversation() -> None:
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 8, 9, 0]]),
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 0]]),
+        "document_ids": torch.tensor([[0, 0, 0, 1, 1, -1]]),
+    }
+    shifted = shift_tokens_left(batch)
+    assert shifted["input_ids"].tolist() == [[6, 7, 0, 9, 0, 0]]
+    assert shifted["loss_mask"].tolist() == [[1, 1, 0, 1, 0, 0]]
+
+
+def test_a_preprocess_hook_reaches_every_batch(data_dir: Path) -> None:
+    plain = next(iter(datamodule(data_dir).train_dataloader()))
+    hooked = next(iter(datamodule(data_dir, preprocess=shift_tokens_left).train_dataloader()))
+    assert torch.equal(hooked["input_ids"], shift_tokens_left(dict(plain))["input_ids"])
+
+
+def test_workers_get_no_length_list_and_repack_the_same_rows(data_dir: Path) -> None:
+    source = datamodule(data_dir)._train
+    shipped = pickle.loads(pickle.dumps(source))
+    assert shipped.packed is None  # the lengths and rows stay in the parent; a worker re-packs from the column
+    args = (np.array([3]), np.array([7], dtype=np.uint64), np.array([1]))
+    assert torch.equal(shipped.fetch(*args)["input_ids"], source.fetch(*args)["input_ids"])
+
+
+# Exact resume through Trainer.fit: 60 rows, 54 training conversations in ~20 packed rows a pass,
+# so 30 steps cross two pass boundaries (rows packed afresh each pass).
+TOTAL_STEPS = 30
+
+
+def fit(data_dir: Path, max_steps: int, workers: int, ckpt_dir: Path | None = None, every: int = 0, resume=None):
+    dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN, num_workers=workers, seed=3, noise_std=0.01)
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)] if every else []
+    model = RecordingModel()
+    quiet_trainer(max_steps=max_steps, callbacks=callbacks, limit_val_batches=0).fit(
+        model, datamodule=dm, ckpt_path=resume
+    )
+    return model.records
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir: Path) -> list[dict]:
+    return fit(data_dir, TOTAL_STEPS, 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop", [7, 23])
+def test_resumed_run_trains_identical_batches(
+    tmp_path: Path, data_dir: Path, uninterrupted: list[dict], workers: int, stop: int
+) -> None:
+    before = fit(data_dir, stop + 2, workers, tmp_path, every=stop)
+    (checkpoint,) = tmp_path.glob(f"*-step={stop}.ckpt")
+    after = fit(data_dir, TOTAL_STEPS, workers, resume=checkpoint)
+    trained = [r["digest"] for r in before if r["step"] < stop] + [r["digest"] for r in after]
+    assert trained == [r["digest"] for r in uninterrupted]  # workers 2 (spawned) trains what workers 0 does
