@@ -1,0 +1,72 @@
+"""HiddenStatesDataModule under real multi-process DDP on CPU (gloo), Lightning's default
+``use_distributed_sampler=True``: every packed row once per epoch, validation once, elastic resume.
+
+Runs go through ``tests/scripts/train_record.py`` (Lightning's ``ddp`` re-launches ``sys.argv``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from datamodules import HiddenStatesDataModule
+from tests.distributed_support import Run, train_record
+from tests.speculative.speculative_data import speculative_dataset
+from tests.support import row_digest
+
+ROWS, ROW_LEN = 60, 64
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return speculative_dataset(tmp_path_factory.mktemp("speculative"), ROWS)
+
+
+def train(data_dir: Path, root: Path, devices: int, **kw: object) -> Run:
+    args = ["--hidden-states", str(data_dir), "--seq-len", str(ROW_LEN), "--batch-size", "1", "--devices", str(devices)]
+    args += ["--strategy", "ddp" if devices > 1 else "auto"]
+    for key, value in kw.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return train_record(args, root)
+
+
+def planned_conversations(data_dir: Path, rows: range) -> tuple[Counter, Counter]:
+    """Digests of the conversations in the first pass's packed ``rows``, and of every validation one."""
+    dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN)
+    dm.setup("fit")
+    tokens = datasets.load_from_disk(str(data_dir))["input_ids"]
+    digest = [row_digest(torch.tensor(t)) for t in tokens]
+    train = Counter(digest[c] for r in rows for c in dm._train.packed.row(0, r).tolist())
+    return train, Counter(digest[dm._train.stop :])
+
+
+def rows_per_pass(data_dir: Path) -> int:
+    dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN)
+    dm.setup("fit")
+    return len(dm._train)
+
+
+def test_two_ddp_ranks_train_every_packed_row_once_per_epoch_and_validate_every_held_out_row_once(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    run = train(data_dir, tmp_path, devices=2, max_epochs=1)
+    steps = rows_per_pass(data_dir) // 2
+    expected_train, expected_val = planned_conversations(data_dir, range(2 * steps))
+    assert len(run.records(0)) == len(run.records(1)) == steps
+    assert Counter(run.rows(0) + run.rows(1)) == expected_train
+    assert Counter(run.validated(0) + run.validated(1)) == expected_val
+    info = run.info(0)
+    assert info["dp_size"] == 2 and info["sampler_is_datamodule_sampler"] and info["sampler_type"] == "PlanSampler"
+
+
+def test_elastic_resume_of_a_2_rank_checkpoint_on_1_rank_trains_every_row_once(data_dir: Path, tmp_path: Path) -> None:
+    stopped = train(data_dir, tmp_path / "two", devices=2, max_steps=5, every_n_steps=3)
+    resumed = train(data_dir, tmp_path / "one", devices=1, max_epochs=1, resume=stopped.checkpoint(3))
+    trained = stopped.rows(0, before_step=3) + stopped.rows(1, before_step=3) + resumed.rows(0)
+    rows = rows_per_pass(data_dir)
+    assert Counter(trained) == planned_conversations(data_dir, range(rows))[0]
+    assert resumed.info(0)["positions_consumed"] == rows
