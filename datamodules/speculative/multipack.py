@@ -23,9 +23,9 @@ log = logging.getLogger(__name__)
 
 OverLong = Literal["truncate", "drop"]
 _OVER_LONG = ("truncate", "drop")
-# Length quanta per row: a sample's length is rounded up to a multiple of ``total_seq_len // 1024``
-# tokens (8 at 8,192), so samples within one quantum are interchangeable to the packer.
-_QUANTA_PER_ROW = 1024
+# Length quanta per row: a sample's length is rounded up to a multiple of ``total_seq_len // 2048``
+# tokens (4 at 8,192), so samples within one quantum are interchangeable to the packer.
+_QUANTA_PER_ROW = 2048
 
 
 def best_fit_decreasing(units: np.ndarray, capacity: int, tie_keys: np.ndarray) -> tuple[np.ndarray, int]:
@@ -117,7 +117,7 @@ class PackedRows:
             or left out (``"drop"``); either way it is counted and logged.
         length_quantum: lengths are rounded up to a multiple of this for packing (more samples
             trade places between passes; the rows lose at most ``quantum - 1`` tokens a sample);
-            default ``total_seq_len // 1024``, at least 1.
+            default ``total_seq_len // 2048``, at least 1.
     """
 
     def __init__(
@@ -150,9 +150,6 @@ class PackedRows:
         if not len(self.kept):
             raise ValueError(f"every sample is longer than total_seq_len={total_seq_len}: nothing left to pack")
         self.lengths = np.minimum(lengths, total_seq_len)
-        if self.truncated or self.dropped:
-            how = "truncated to" if self.truncated else "left out, longer than"
-            log.warning("%d of %d samples %s total_seq_len=%d", long.sum(), len(lengths), how, total_seq_len)
         capacity = total_seq_len // self.quantum
         self._units = np.minimum(-(-self.lengths[self.kept] // self.quantum), capacity)
         self._capacity = capacity
@@ -275,6 +272,10 @@ class MultipackBatchSampler(DistributedSampler):
                 f"{len(self.packed)} packed rows of {total_seq_len} tokens cannot give each of {num_replicas} "
                 "ranks a row per step; use more samples or a smaller total_seq_len"
             )
+        if self.packed.truncated or self.packed.dropped:
+            how = "truncated to" if self.packed.truncated else "left out, longer than"
+            count = self.packed.truncated or self.packed.dropped
+            log.warning("%d of %d samples %s total_seq_len=%d", count, len(lengths), how, total_seq_len)
         self.max_batches = None if max_batches is None else require_int("max_batches", max_batches, 1)
         # Rows come in the packer's own order, keyed by the pass (see ``PackedRows``): the plan adds no shuffle.
         rows = PlannedSource("rows", len(self.packed), self.packed.fingerprint)
