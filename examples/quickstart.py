@@ -15,6 +15,7 @@ from pathlib import Path
 
 from datamodules.cli import main as cli_main
 from datamodules.text.prepare import prepare
+from examples.default_conversations import build_default_conversations
 from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
 from examples.default_images import build_default_images
 from examples.default_videos import build_default_videos
@@ -26,7 +27,7 @@ WORKDIR = Path(".cache/quickstart")
 def build_inputs(workdir: Path) -> None:
     """What the configs name: token shards ``shards_stdlib`` and ``shards_pydoc``, the pydoc topic
     files and their tokenizer, the ``shapes`` pictures with their caption tokenizer, and the
-    ``moving_shapes`` clips with theirs."""
+    ``moving_shapes`` clips with theirs, and the ``conversations`` with their verifier hidden states."""
     corpus = {"stdlib": stdlib_sources(), "pydoc": write_pydoc_topics(workdir / "pydoc_topics")}
     log.info("default corpus: %s documents", {name: len(files) for name, files in corpus.items()})
     tokenizer = train_tokenizer([f for files in corpus.values() for f in files], workdir / "tokenizer")
@@ -34,6 +35,7 @@ def build_inputs(workdir: Path) -> None:
         prepare([str(f) for f in files], workdir / f"shards_{name}", str(tokenizer))
     build_default_images(workdir)
     build_default_videos(workdir)
+    build_default_conversations(workdir, corpus["pydoc"], tokenizer)
 
 
 def loss_curve(log_dir: str) -> list[float]:
@@ -60,7 +62,7 @@ def main() -> None:
     trainer.fit(cli.model, datamodule=dm)
     seconds = time.perf_counter() - started
     samples = dm.positions_consumed
-    tokens = samples * getattr(dm, "seq_len", getattr(dm, "max_text_len", 0))
+    tokens = samples * next((getattr(dm, a) for a in ("seq_len", "max_text_len", "total_seq_len") if hasattr(dm, a)), 0)
     losses = loss_curve(trainer.logger.log_dir)
     print(f"\ntrained {trainer.global_step} steps, {samples:,} samples ({tokens:,} tokens) in {seconds:.1f} s")
     print(f"throughput: {samples / seconds:,.1f} samples/s, {tokens / seconds:,.0f} tokens/s")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from datamodules.cli import main
+from examples.default_conversations import build_default_conversations
 from examples.default_corpus import train_tokenizer
 from examples.default_images import build_default_images
 from examples.default_videos import build_default_videos
@@ -21,7 +22,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
 def quickstart_inputs() -> None:
     """What the quickstart leaves in ``.cache/quickstart``: shards, pydoc topic files and a tokenizer,
-    pictures and clips with their caption tokenizers."""
+    pictures and clips with their caption tokenizers, conversations with their hidden states."""
     for name in ("stdlib", "pydoc"):
         make_token_shards(Path(f".cache/quickstart/shards_{name}"), 4000, doc_len=37)
     topics = Path(".cache/quickstart/pydoc_topics")
@@ -30,13 +31,14 @@ def quickstart_inputs() -> None:
         (topics / f"{chr(ord('a') + i % 26)}topic{i}.txt").write_text(
             f"Topic {i}. " + "The while statement repeats a block. " * (i + 3)
         )
-    train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
+    tokenizer = train_tokenizer(sorted(topics.glob("*.txt")), Path(".cache/quickstart/tokenizer"), vocab_size=300)
     build_default_images(Path(".cache/quickstart"), count=60)
     build_default_videos(Path(".cache/quickstart"), count=40)
+    build_default_conversations(Path(".cache/quickstart"), sorted(topics.glob("*.txt")), tokenizer, count=60)
 
 
 # Text configs train on 16-token sequences here; a vision sample keeps its prompt and placeholders.
-SHORTER = {"image_text": [], "video": []}
+SHORTER = {"image_text": [], "video": [], "speculative": ["--data.init_args.total_seq_len=256"]}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
