@@ -88,8 +88,12 @@ class HiddenStateRows:
         self.on_missing, self.noise, self.noise_std = on_missing, noise, noise_std
         self.preprocess = preprocess
         self.name = name
-        self._packing = {"total_seq_len": total_seq_len, "seed": seed, "over_long": over_long}
-        self._packing["length_quantum"] = length_quantum
+        self._packing = {
+            "total_seq_len": total_seq_len,
+            "seed": seed,
+            "over_long": over_long,
+            "length_quantum": length_quantum,
+        }
         self.packed: PackedRows | None = self._pack()
         if self.packed.truncated or self.packed.dropped:
             how = "truncated to" if self.packed.truncated else "left out, longer than"

@@ -114,7 +114,8 @@ class PackedRows:
         total_seq_len: tokens per row.
         seed: the data-order seed.
         over_long: a sample longer than a row is cut to ``total_seq_len`` tokens (``"truncate"``)
-            or left out (``"drop"``); either way it is counted and logged.
+            or left out (``"drop"``); either way it is counted (``truncated``, ``dropped``), for the
+            caller to log.
         length_quantum: lengths are rounded up to a multiple of this for packing (more samples
             trade places between passes; the rows lose at most ``quantum - 1`` tokens a sample);
             default ``total_seq_len // 2048``, at least 1.
@@ -154,7 +155,7 @@ class PackedRows:
         self._units = np.minimum(-(-self.lengths[self.kept] // self.quantum), capacity)
         self._capacity = capacity
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        _, self.num_rows = self._pack(0)
+        self.num_rows = len(self._pack(0)[1]) - 1
         self.fingerprint = hashlib.blake2b(
             self.lengths.tobytes() + repr((total_seq_len, self.quantum, over_long)).encode(), digest_size=16
         ).hexdigest()
@@ -162,7 +163,8 @@ class PackedRows:
     def __len__(self) -> int:
         return self.num_rows
 
-    def _pack(self, pass_: int) -> tuple[tuple[np.ndarray, np.ndarray], int]:
+    def _pack(self, pass_: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pass ``pass_``'s rows: the sample indices row after row, and where each row starts in them."""
         if pass_ not in self._cache:
             key = mix64(np.array([self.seed], dtype=np.uint64) ^ mix64(np.array([pass_ + 1], dtype=np.uint64)))
             tie_keys = mix64(np.arange(len(self._units), dtype=np.uint64) ^ key)
@@ -174,8 +176,7 @@ class PackedRows:
             if len(self._cache) >= 2:  # a loader reads at most two passes at once (one epoch's turn)
                 self._cache.pop(next(iter(self._cache)))
             self._cache[pass_] = (self.kept[order], offsets)
-        samples, offsets = self._cache[pass_]
-        return (samples, offsets), len(offsets) - 1
+        return self._cache[pass_]
 
     def _row_order(self, row_of: np.ndarray, num_rows: int, key: np.ndarray) -> np.ndarray:
         """Where each packed row goes in the pass: rows within 1% of the fullest in an order keyed
@@ -191,12 +192,12 @@ class PackedRows:
 
     def row(self, pass_: int, row: int) -> np.ndarray:
         """The sample indices of row ``row`` of pass ``pass_``."""
-        (samples, offsets), _ = self._pack(pass_)
+        samples, offsets = self._pack(pass_)
         return samples[offsets[row] : offsets[row + 1]]
 
     def row_tokens(self, pass_: int) -> np.ndarray:
         """Tokens of every row of pass ``pass_`` (lengths after truncation)."""
-        (samples, offsets), _ = self._pack(pass_)
+        samples, offsets = self._pack(pass_)
         return np.add.reduceat(self.lengths[samples], offsets[:-1])
 
     def report(self, rows_per_step: np.ndarray) -> PackingReport:
@@ -207,7 +208,7 @@ class PackedRows:
         for pass_ in np.unique(passes).tolist():
             mine = passes == pass_
             tokens[mine] = self.row_tokens(pass_)[rows[mine]]
-            (_, offsets), _ = self._pack(pass_)
+            offsets = self._pack(pass_)[1]
             samples += int((offsets[rows[mine] + 1] - offsets[rows[mine]]).sum())
         balanced = tokens.max(axis=1) <= 1.02 * tokens.min(axis=1)
         return PackingReport(
@@ -226,8 +227,8 @@ class MultipackBatchSampler(DistributedSampler):
     """Yields, per step, the sample indices of this rank's packed row (at most ``total_seq_len`` tokens).
 
     The rows are the plan's: global position ``g`` is row ``g % K`` of pass ``g // K`` (``K`` rows
-    a pass) after the pass's shuffle, and step ``s`` of rank ``r`` reads position ``s*R + r``, so
-    the same rows are trained whatever the number of ranks. Epoch ``e`` is steps
+    a pass, in the order ``PackedRows`` gives them, keyed by the pass), and step ``s`` of rank ``r``
+    reads position ``s*R + r``, so the same rows are trained whatever the number of ranks. Epoch ``e`` is steps
     ``[e*S, (e+1)*S)`` with ``S = K // R`` (or ``max_batches``): no row is skipped across epochs.
     It subclasses ``DistributedSampler``, so Lightning's default ``use_distributed_sampler=True``
     leaves it alone: pass it as ``sampler=`` with ``batch_size=None``, and the dataset gets the

@@ -34,28 +34,24 @@ def train(data_dir: Path, root: Path, devices: int, **kw: object) -> Run:
     return train_record(args, root)
 
 
-def planned_conversations(data_dir: Path, rows: range) -> tuple[Counter, Counter]:
-    """Digests of the conversations in the first pass's packed ``rows``, and of every validation one."""
+def planned_conversations(data_dir: Path, ranks: int) -> tuple[Counter, Counter, int]:
+    """Digests of the conversations in the first pass's packed rows that one epoch on ``ranks`` ranks
+    trains, of every validation conversation, and the number of rows a pass."""
     dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN)
     dm.setup("fit")
     tokens = datasets.load_from_disk(str(data_dir))["input_ids"]
     digest = [row_digest(torch.tensor(t)) for t in tokens]
-    train = Counter(digest[c] for r in rows for c in dm._train.packed.row(0, r).tolist())
-    return train, Counter(digest[dm._train.stop :])
-
-
-def rows_per_pass(data_dir: Path) -> int:
-    dm = HiddenStatesDataModule(str(data_dir), total_seq_len=ROW_LEN)
-    dm.setup("fit")
-    return len(dm._train)
+    rows = len(dm._train) // ranks * ranks
+    train = Counter(digest[c] for r in range(rows) for c in dm._train.packed.row(0, r).tolist())
+    return train, Counter(digest[dm._train.stop :]), len(dm._train)
 
 
 def test_two_ddp_ranks_train_every_packed_row_once_per_epoch_and_validate_every_held_out_row_once(
     data_dir: Path, tmp_path: Path
 ) -> None:
     run = train(data_dir, tmp_path, devices=2, max_epochs=1)
-    steps = rows_per_pass(data_dir) // 2
-    expected_train, expected_val = planned_conversations(data_dir, range(2 * steps))
+    expected_train, expected_val, rows = planned_conversations(data_dir, ranks=2)
+    steps = rows // 2
     assert len(run.records(0)) == len(run.records(1)) == steps
     assert Counter(run.rows(0) + run.rows(1)) == expected_train
     assert Counter(run.validated(0) + run.validated(1)) == expected_val
@@ -67,6 +63,6 @@ def test_elastic_resume_of_a_2_rank_checkpoint_on_1_rank_trains_every_row_once(d
     stopped = train(data_dir, tmp_path / "two", devices=2, max_steps=5, every_n_steps=3)
     resumed = train(data_dir, tmp_path / "one", devices=1, max_epochs=1, resume=stopped.checkpoint(3))
     trained = stopped.rows(0, before_step=3) + stopped.rows(1, before_step=3) + resumed.rows(0)
-    rows = rows_per_pass(data_dir)
-    assert Counter(trained) == planned_conversations(data_dir, range(rows))[0]
+    expected_train, _, rows = planned_conversations(data_dir, ranks=1)
+    assert Counter(trained) == expected_train
     assert resumed.info(0)["positions_consumed"] == rows
