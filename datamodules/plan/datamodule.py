@@ -22,11 +22,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from datamodules.plan.arguments import require_int
-from datamodules.plan.loader import PlanDataLoader, PlanDataset, Source, SourceSpec
+from datamodules.plan.loader import POSITION, STOP, PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
-from datamodules.plan.stream import Stream, StreamTraining
+from datamodules.plan.stream import Stream, StreamTraining, gathered
+from datamodules.plan.trained_spans import TrainedSpans
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,10 @@ class PlanDataModule(LightningDataModule):
             default ``None``: on when the Trainer's accelerator is a CUDA GPU.
         prefetch_factor: worker messages (of 16 micro-batches) each worker prepares ahead;
             default ``None``: the DataLoader's default (2). Needs ``num_workers > 0``.
+        in_order: ``False`` hands batches to training as workers finish them, so one slow batch does
+            not stall the rest (needs ``num_workers > 0``). The order is then not reproducible, but a
+            resume still trains every batch exactly once: the state records the batches trained out of
+            order, and resumes on the same number of data-parallel ranks.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class PlanDataModule(LightningDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        in_order: bool = True,
     ) -> None:
         super().__init__()
         self.batch_size = require_int("batch_size", batch_size, 1)
@@ -68,6 +74,11 @@ class PlanDataModule(LightningDataModule):
             require_int("prefetch_factor", prefetch_factor, 1)
             if num_workers == 0:
                 raise ValueError(f"prefetch_factor={prefetch_factor} needs num_workers > 0 (workers prefetch)")
+        if not in_order and num_workers == 0:
+            raise ValueError(
+                "in_order=False hands over batches as worker processes finish them; it needs num_workers > 0"
+            )
+        self.in_order = in_order
         self.allow_plan_change = allow_plan_change
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
@@ -81,6 +92,8 @@ class PlanDataModule(LightningDataModule):
         self._saved_segments: list[Segment] = []
         self._pending_state: dict[str, Any] | None = None
         self._stream: StreamTraining | None = None
+        self._trained: TrainedSpans | None = None  # with batches out of order: which were trained
+        self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
 
     # A resume off the global-batch grid pads its epoch's last batch so the epoch ends where the
     # plan's does. A mixture keeps whole batches instead: each global batch is one block of exact counts.
@@ -182,7 +195,10 @@ class PlanDataModule(LightningDataModule):
 
     @property
     def positions_consumed(self) -> int:
-        """Plan positions trained so far, over all ranks and all restarts."""
+        """Plan positions trained so far, over all ranks and all restarts (out of order: up to the
+        first span of this rank not yet trained)."""
+        if self._trained is not None:
+            return self._trained.sampler.position_after(self._trained.anchor, self._trained.prefix)
         if self._anchor_batches is None or self._sampler is None:
             return self._anchor_positions
         return self._sampler.position_after(self._anchor_positions, self._batches_trained() - self._anchor_batches)
@@ -212,6 +228,12 @@ class PlanDataModule(LightningDataModule):
             start_position=self._start_position,
             pad_to_epoch_end=self.pad_to_epoch_end,
         )
+        if not self.in_order or self._resume_spans:
+            # Batches are recorded as they are trained (``on_after_batch_transfer``), by their span.
+            trained = self._trained.ahead if self._trained is not None else self._resume_spans
+            self._trained = TrainedSpans(self._sampler, self._anchor_positions, trained)
+            self._sampler.skip, self._resume_spans = set(trained), []
+            dataset.tag_positions = True
         self._align_epoch_progress()
         self._log_summary(steps_per_epoch)
         return self._loader(dataset, self._sampler)
@@ -230,7 +252,7 @@ class PlanDataModule(LightningDataModule):
         if start % sampler.epoch_positions == 0:  # an epoch boundary: finished, or not begun
             done = sampler.num_batches if current.processed > 0 else 0
         else:
-            done = sampler.num_batches - sampler.batches_left(start)
+            done = sampler.num_batches - sampler.batches_left(start) + len(sampler.skip)
         # Shift every counter alike: Lightning itself completes the batch a checkpoint was saved in.
         shift = done - current.processed
         if shift:
@@ -284,7 +306,12 @@ class PlanDataModule(LightningDataModule):
     def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
         options = self._loader_options()
         return PlanDataLoader(
-            dataset, sampler, self.num_workers, multiprocessing_context=self.worker_start_method, **options
+            dataset,
+            sampler,
+            self.num_workers,
+            multiprocessing_context=self.worker_start_method,
+            in_order=self.in_order,
+            **options,
         )
 
     def _log_summary(self, steps_per_epoch: int) -> None:
@@ -321,6 +348,11 @@ class PlanDataModule(LightningDataModule):
         normalize their uint8 pixels: a quarter of the bytes cross the loader and the host-to-device
         copy); then the model's own ``on_after_batch_transfer``, which Lightning would otherwise skip
         when a DataModule defines the hook."""
+        if getattr(self._train, "may_stop", False):
+            self._stop_if_asked(batch.pop(STOP, None))
+        position = batch.pop(POSITION, None)
+        if position is not None and self._trained is not None:
+            self._trained.record(position)
         on_device = getattr(self._train, "on_device", None)
         if on_device is not None:
             batch = on_device(batch)
@@ -328,6 +360,21 @@ class PlanDataModule(LightningDataModule):
         if model is not None and is_overridden("on_after_batch_transfer", model):
             batch = model.on_after_batch_transfer(batch, dataloader_idx)
         return batch
+
+    def _stop_if_asked(self, message: str | None) -> None:
+        """Stop training on every data-parallel rank at once when any rank's batch asks to (``STOP``).
+
+        Every rank calls this for every batch, so the ranks meet in one small all-gather per step and
+        raise together: none is left waiting in the next gradient all-reduce.
+        """
+        asked = [message is not None]
+        if self.trainer is not None and self.trainer.world_size > 1:
+            flags = self.trainer.strategy.all_gather(torch.tensor(asked, device=self.trainer.strategy.root_device))
+            asked = flags.flatten().tolist()
+        if any(asked):
+            ranks = [rank for rank, flag in enumerate(asked) if flag]
+            reason = message or "see that rank's log"
+            raise RuntimeError(f"{type(self).__name__}: training stopped on every rank by rank(s) {ranks}: {reason}")
 
     def _val_loader(self, name: str, val: Source) -> DataLoader:
         plan = SamplePlan((PlannedSource(name, len(val), val.fingerprint),), shuffle=False)
@@ -350,11 +397,25 @@ class PlanDataModule(LightningDataModule):
         if self._stream is not None:
             return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, self._batches_trained())}
         state: dict[str, Any] = {"positions_consumed": self.positions_consumed}
+        if self._trained is not None:
+            state.update(self._out_of_order_state())
         if self.sources is not None:
             state.update(plan_fingerprint=self._fingerprint(), plan=self.plan_identity())
         segments = self.plan.segments if self.plan is not None else self._saved_segments
         state["segments"] = [[s.first_position, s.block_size, list(s.counts)] for s in segments]
         return state
+
+    def _out_of_order_state(self) -> dict[str, Any]:
+        """Every rank's trained spans (a collective: each rank trained other spans, and only rank 0
+        writes the checkpoint): the position all ranks have trained up to and the spans past it."""
+        trained = self._trained
+        local = {self.dp_rank: (trained.prefix, sorted(trained.ahead))}
+        ranks = gathered(local)
+        position, spans = trained.saved({r: p for r, (p, _) in ranks.items()}, {r: a for r, (_, a) in ranks.items()})
+        if not any(spans):
+            return {"positions_consumed": position}
+        layout = {"ranks": self.dp_size, "batch_size": self.batch_size, "spans": spans}
+        return {"positions_consumed": position, "trained_out_of_order": layout}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not self._built:
@@ -383,4 +444,15 @@ class PlanDataModule(LightningDataModule):
             )
         self._anchor_positions = int(state_dict["positions_consumed"])
         self._anchor_batches = None
+        self._trained, self._resume_spans = None, []
+        out_of_order = state_dict.get("trained_out_of_order")
+        if out_of_order is not None:
+            saved = (out_of_order["ranks"], out_of_order["batch_size"])
+            if saved != (self.dp_size, self.batch_size):
+                raise ValueError(
+                    f"{type(self).__name__}: the checkpoint was saved while batches were trained out of order "
+                    f"(in_order=False) on {saved[0]} data-parallel ranks with batch_size {saved[1]}; it resumes only "
+                    f"so, not on {self.dp_size} ranks with batch_size {self.batch_size}"
+                )
+            self._resume_spans = list(out_of_order["spans"][self.dp_rank])
         self._saved_segments = [Segment(p, b, tuple(c)) for p, b, c in state_dict.get("segments", [])]

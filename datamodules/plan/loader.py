@@ -22,6 +22,12 @@ RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 _GROUP = 16  # micro-batches per worker message
+# A batch holding this key (a message) asks to stop training: the DataModule stops every rank at once,
+# at the same step, so none is left waiting in a collective.
+STOP = "stop_training"
+# With ``in_order=False``, each batch names the first plan position of its span (a plain int, popped
+# before the model sees the batch), so the DataModule can record which batches were trained.
+POSITION = "plan_position"
 
 
 class Source(Protocol):
@@ -38,7 +44,9 @@ class Source(Protocol):
     # so a sample looks the same on every run, with any worker count, and after resume. One with
     # ``uses_passes = True`` also gets ``passes=...``: how many passes over it came before each sample
     # (packed rows are packed afresh every pass). A source may define ``mask_rows(batch, invalid)``
-    # to take the loss off padding rows; the default sets their ``labels`` to ``IGNORE_INDEX``.
+    # to take the loss off padding rows; the default sets their ``labels`` to ``IGNORE_INDEX``. One
+    # with ``fetch_many(calls)`` reads the spans of a whole worker message at once (a list of
+    # ``(indices, extra)``, a raw batch for each), so their slow fetches overlap.
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]: ...
 
@@ -65,6 +73,7 @@ class PlanDataset(Dataset):
         # Where each plan source starts inside the joined ``source``.
         self._offsets = np.cumsum([0] + [s.num_samples for s in plan.sources[:-1]])
         self._chunk = (0, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        self.tag_positions = False  # set by a loader that hands batches over out of order
 
     def __len__(self) -> int:
         return len(self.source)
@@ -81,25 +90,45 @@ class PlanDataset(Dataset):
 
     def __getitem__(self, span: tuple[int, ...]) -> dict[str, np.ndarray]:
         """Samples at positions ``[first, stop)``; a third value (or ``limit``) pads positions from it on."""
+        indices, extra, valid = self._request(span)
+        return self._finish(self.source.fetch(indices, **extra), span, valid)
+
+    def __getitems__(self, spans: list[tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
+        """The spans of one worker message (the DataLoader calls this when the dataset has it)."""
+        fetch_many = getattr(self.source, "fetch_many", None)
+        if fetch_many is None:
+            return [self[span] for span in spans]
+        requests = [self._request(span) for span in spans]
+        raws = fetch_many([(indices, extra) for indices, extra, _ in requests])
+        return [self._finish(raw, span, valid) for raw, span, (_, _, valid) in zip(raws, spans, requests, strict=True)]
+
+    def _finish(self, raw: dict[str, Any], span: tuple[int, ...], valid: np.ndarray | None) -> dict[str, Any]:
+        if valid is not None:
+            raw["valid"] = valid
+        if self.tag_positions:
+            raw[POSITION] = span[0]
+        return raw
+
+    def _request(self, span: tuple[int, ...]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        """``(indices, extra fetch arguments, valid)`` of a span; ``valid`` is ``None`` without padding."""
         first, stop = span[:2]
         limit = span[2] if len(span) > 2 else self.limit
+        valid = None
         if limit is None:
-            return self._fetch(*self._indices(first, stop), first)
-        valid = np.arange(first, stop) < limit
-        indices = np.zeros(stop - first, dtype=np.int64)
-        passes = np.zeros(stop - first, dtype=np.int64)
-        real = int(valid.sum())
-        indices[:real], passes[:real] = self._indices(first, first + real)
-        return {**self._fetch(indices, passes, first), "valid": valid}
-
-    def _fetch(self, indices: np.ndarray, passes: np.ndarray, first: int) -> dict[str, np.ndarray]:
+            indices, passes = self._indices(first, stop)
+        else:
+            valid = np.arange(first, stop) < limit
+            indices = np.zeros(stop - first, dtype=np.int64)
+            passes = np.zeros(stop - first, dtype=np.int64)
+            real = int(valid.sum())
+            indices[:real], passes[:real] = self._indices(first, first + real)
         extra = {}
         if getattr(self.source, "uses_sample_keys", False):
             positions = np.arange(first, first + len(indices), dtype=np.uint64)
             extra["keys"] = mix64(positions ^ mix64(np.array([self.plan.seed], dtype=np.uint64)))
         if getattr(self.source, "uses_passes", False):
             extra["passes"] = passes
-        return self.source.fetch(indices, **extra)
+        return indices, extra, valid
 
 
 def mask_labels(batch: dict[str, torch.Tensor], invalid: torch.Tensor) -> None:
@@ -111,6 +140,12 @@ def keep_raw(raw: Any) -> Any:
     return raw
 
 
+def in_groups(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive lists of ``size`` items (the last may be shorter)."""
+    while group := list(itertools.islice(items, size)):
+        yield group
+
+
 class PlanDataLoader(DataLoader):
     """A ``DataLoader`` over a ``PlanDataset`` and ``PlanSampler`` that yields tensor batches.
 
@@ -120,6 +155,8 @@ class PlanDataLoader(DataLoader):
     ``batches_per_message`` lower, so the first batch does not wait for sixteen.
     In-process, each span goes straight from the sampler to the dataset, skipping the
     DataLoader's per-item machinery, and the sampler advances no further than what was yielded.
+    With ``in_order=False`` (workers only), worker messages are handed over as they finish rather
+    than in plan order; a dataset with ``tag_positions`` then names each batch's span (``POSITION``).
     """
 
     def __init__(
@@ -130,6 +167,7 @@ class PlanDataLoader(DataLoader):
         pin_memory: bool = False,
         prefetch_factor: int | None = None,
         multiprocessing_context: str | None = None,
+        in_order: bool = True,
     ) -> None:
         super().__init__(
             dataset,
@@ -140,6 +178,7 @@ class PlanDataLoader(DataLoader):
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor,
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            in_order=in_order,
         )
         # Tensors are built here in the main process, so they are pinned here, on both paths; the
         # DataLoader's own pinning would only see the workers' numpy arrays.
@@ -149,17 +188,26 @@ class PlanDataLoader(DataLoader):
         return len(self.sampler)  # micro-batches, however many travel in one worker message
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.num_workers == 0:
+        group = getattr(self.dataset.source, "batches_per_message", _GROUP)
+        if self.num_workers == 0 and hasattr(self.dataset.source, "fetch_many") and group > 1:
+            # Concurrent fetches in-process too: a group of spans at a time (the sampler runs ahead by
+            # at most one group; the DataModule's state comes from the Trainer's count, not the sampler's).
+            spans = in_groups(iter(self.sampler), group)
+            raws = itertools.chain.from_iterable(map(self.dataset.__getitems__, spans))
+        elif self.num_workers == 0:
             raws = map(self.dataset.__getitem__, self.sampler)
         else:
             raws = itertools.chain.from_iterable(super().__iter__())
         to_batch = self.dataset.source.to_batch
         mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:
+            position = raw.pop(POSITION, None)
             batch = to_batch(raw)
             if "valid" in raw:
                 mask_rows(batch, torch.from_numpy(~raw["valid"]))
-            yield {key: value.pin_memory() for key, value in batch.items()} if self.pin_batches else batch
+            if self.pin_batches:
+                batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            yield batch if position is None else {**batch, POSITION: position}
 
     # Resume state lives in the DataModule (positions consumed, derived from the training loop).
     # These two methods only tell Lightning that this loader resumes exactly, so it does not warn.

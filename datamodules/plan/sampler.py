@@ -48,6 +48,8 @@ class PlanSampler(DistributedSampler):
         self.start_position = start_position
         self.pad_to_epoch_end = pad_to_epoch_end
         self.batches_yielded = 0
+        # This rank's spans (by first position) already trained out of order before a resume: not served again.
+        self.skip: set[int] = set()
 
     @property
     def positions_per_batch(self) -> int:
@@ -86,6 +88,8 @@ class PlanSampler(DistributedSampler):
         # padding rows when ``pad_to_epoch_end``.
         for batch_first in range(start, end, stride):
             first = batch_first + self.rank * self.batch_size
+            if first in self.skip:
+                continue
             self.batches_yielded += 1
             if self.pad_to_epoch_end and batch_first + stride > end:
                 yield first, first + self.batch_size, end

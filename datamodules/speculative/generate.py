@@ -88,21 +88,32 @@ def generate_hidden_states(
     return GenerationReport(written=len(todo), kept=kept, layers=layers)
 
 
-@torch.no_grad()
 def _write_batch(
     model: torch.nn.Module, dataset, store: HiddenStateFiles, rows: list[int], layers: list[int], device: str
 ) -> None:
     sequences = [torch.from_numpy(dataset[row]["input_ids"]).long() for row in rows]
+    for row, states in zip(rows, verifier_states(model, sequences, layers, device), strict=True):
+        store.cache(row, states)
+
+
+@torch.no_grad()
+def verifier_states(
+    model: torch.nn.Module, sequences: list[torch.Tensor], layers: list[int], device: str = "cpu"
+) -> list[dict[str, torch.Tensor]]:
+    """The states of each token sequence: ``hidden_states`` ``[T, L, H]`` (the chosen ``layers`` of
+    the model's ``hidden_states``) and ``token_ids`` ``[T]``; one forward pass, right-padded."""
     longest = max(len(s) for s in sequences)
-    input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    attention_mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    input_ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    attention_mask = torch.zeros(len(sequences), longest, dtype=torch.long)
     for i, sequence in enumerate(sequences):
         input_ids[i, : len(sequence)] = sequence
         attention_mask[i, : len(sequence)] = 1
     out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), output_hidden_states=True)
     stacked = torch.stack([out.hidden_states[layer] for layer in layers], dim=2).cpu()  # [B, T, L, H]
-    for i, (row, sequence) in enumerate(zip(rows, sequences, strict=True)):
-        store.cache(row, {"hidden_states": stacked[i, : len(sequence)].clone(), "token_ids": sequence})
+    return [
+        {"hidden_states": stacked[i, : len(sequence)].clone(), "token_ids": sequence}
+        for i, sequence in enumerate(sequences)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,12 +14,14 @@ import pyarrow.compute as pc
 import torch
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
-from datamodules.speculative.hidden_states_store import HiddenStatesStore, check_states
+from datamodules.plan.loader import STOP
+from datamodules.speculative.generation_client import CircuitBreaker
 from datamodules.speculative.multipack import OverLong, PackedRows
+from datamodules.speculative.state_fetcher import Outcome, StateFetcher
 
 log = logging.getLogger(__name__)
 
-MISSING_POLICIES = ("skip", "warn", "raise")
+MISSING_POLICIES = ("generate", "skip", "warn", "raise")
 NOISES = ("uniform", "gaussian")
 Batch = dict[str, torch.Tensor]
 
@@ -30,26 +32,29 @@ def column_lengths(dataset: Any, column: str) -> np.ndarray:
 
 
 class HiddenStateRows:
-    """Rows ``[first, stop)`` of a tokenized dataset, packed by multipack, with hidden states from ``store``.
+    """Rows ``[first, stop)`` of a tokenized dataset, packed by multipack, with hidden states from ``fetcher``.
 
     A row gives ``input_ids``, ``loss_mask``, ``position_ids`` (restarting in every conversation),
     ``document_ids`` (the conversation's place in the row, ``-1`` on padding): ``[B, total_seq_len]``;
     ``hidden_states`` (layers ``1..L-1`` side by side) ``[B, total_seq_len, (L-1) * H]`` and
     ``verifier_last_hidden_states`` (layer ``L``) ``[B, total_seq_len, H]``, cast to ``dtype`` as they
     are copied in. A conversation whose states are missing or do not match its tokens is never
-    trained on: ``on_missing="raise"`` names it, ``"skip"`` counts it, ``"warn"`` also logs each;
-    the rest of its row closes up, and no other row moves.
+    trained on: ``on_missing="raise"`` names it, ``"skip"`` counts it, ``"warn"`` also logs each,
+    ``"generate"`` has a server generate it (``fetcher``) and counts the ones that still fail; the
+    rest of its row closes up, and no other row moves.
 
     Args:
         dataset: a ``datasets.Dataset`` with ``input_ids``, ``loss_mask`` and ``seq_len``.
         first, stop: the dataset rows of this split.
-        store: where the hidden states are.
+        fetcher: reads (and generates) the hidden states; knows the ``L`` and ``H`` every state must have.
         total_seq_len: tokens per packed row.
-        layers, hidden_size: ``L`` and ``H`` every state must have.
         dtype: the dtype of the hidden-state tensors.
         seed: the data-order seed (the packing of every pass follows it).
         over_long, length_quantum: see ``PackedRows``.
-        on_missing: ``"raise"`` | ``"skip"`` | ``"warn"``.
+        on_missing: ``"raise"`` | ``"skip"`` | ``"warn"`` | ``"generate"``.
+        max_failures: with ``"generate"``, the circuit breaker: after this many conversations in a row
+            (in plan order) failed to generate, batches carry a stop message (``STOP``), and the
+            DataModule stops training on every rank at once.
         noise, noise_std: noise added to ``hidden_states`` (never to the verifier's last layer):
             ``"uniform"`` on ``(-noise_std, noise_std)``, or ``"gaussian"`` with standard deviation
             ``noise_std``; drawn from the row's plan key, so the same on every run and after resume.
@@ -58,23 +63,24 @@ class HiddenStateRows:
 
     uses_passes = True  # rows are packed afresh every pass over the data
     uses_sample_keys = True  # noise draws from the row's plan key
-    batches_per_message = 1  # a row of hidden states is worth a message of its own between processes
+    batches_per_message = 1  # a row of hidden states is worth a message of its own between processes;
+    # more when fetches are slow and concurrent (``fetch_many`` spreads a message's conversations over threads)
 
     def __init__(
         self,
         dataset: Any,
         first: int,
         stop: int,
-        store: HiddenStatesStore,
+        fetcher: StateFetcher,
         *,
         total_seq_len: int,
-        layers: int,
-        hidden_size: int,
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
         over_long: OverLong = "truncate",
         length_quantum: int | None = None,
         on_missing: str = "raise",
+        max_failures: int | None = None,
+        batches_per_message: int = 1,
         noise: str = "uniform",
         noise_std: float = 0.0,
         preprocess: Callable[[Batch], Batch] | None = None,
@@ -82,9 +88,10 @@ class HiddenStateRows:
     ) -> None:
         self.dataset = dataset.with_format("numpy", columns=["input_ids", "loss_mask"])
         self.first, self.stop = first, stop
-        self.store = store
+        self.fetcher, self.store = fetcher, fetcher.store
         self.total_seq_len = total_seq_len
-        self.layers, self.hidden_size, self.dtype = layers, hidden_size, dtype
+        self.layers, self.hidden_size, self.dtype = fetcher.layers, fetcher.hidden_size, dtype
+        self.batches_per_message = batches_per_message
         self.on_missing, self.noise, self.noise_std = on_missing, noise, noise_std
         self.preprocess = preprocess
         self.name = name
@@ -100,10 +107,20 @@ class HiddenStateRows:
             count = self.packed.truncated or self.packed.dropped
             log.warning("%s: %d of %d conversations %s total_seq_len=%d", name, count, stop - first, how, total_seq_len)
         self.num_rows = len(self.packed)
-        identity = (dataset._fingerprint, first, stop, self.packed.fingerprint, layers, hidden_size, str(dtype))
+        identity = (
+            dataset._fingerprint,
+            first,
+            stop,
+            self.packed.fingerprint,
+            self.layers,
+            self.hidden_size,
+            str(dtype),
+        )
         self.fingerprint = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
         self.details = {"rows": f"[{first}, {stop})", "total_seq_len": total_seq_len}
         self.bad_samples = BadSampleLog("hidden states of %s missing or invalid (%s): not trained on")
+        self.breaker = CircuitBreaker(max_failures)
+        self.may_stop = max_failures is not None  # batches may carry STOP: the DataModule checks every rank
 
     def _pack(self) -> PackedRows:
         lengths = np.asarray(self.dataset.data.column("seq_len"), dtype=np.int64)[self.first : self.stop]
@@ -120,36 +137,51 @@ class HiddenStateRows:
     def join(cls, parts: list[HiddenStateRows]) -> HiddenStateRows:
         raise ValueError("hidden-state rows are packed per source and cannot be mixed with other sources")
 
-    def _conversation(self, row: int, skipped: list[tuple[str, str]]) -> tuple[dict[str, np.ndarray], Batch] | None:
-        """Tokens and states of dataset row ``row``, or ``None`` (recorded in ``skipped``) when unusable."""
-        tokens = self.dataset[row]
-        try:
-            states = self.store.lookup(row)
-            reason = (
-                "missing"
-                if states is None
-                else check_states(states, torch.from_numpy(tokens["input_ids"]).long(), self.layers, self.hidden_size)
-            )
-        except BadSample as err:
-            reason = str(err)
-        if reason is None:
-            return tokens, states
-        if self.on_missing == "raise":
-            raise BadSample(
-                f"hidden states of {self.store.describe(row)} (dataset row {row}): {reason} "
-                "(on_missing='skip' leaves such conversations out and counts them)"
-            )
-        if self.on_missing == "warn":
-            log.warning(
-                "hidden states of %s (dataset row %d): %s; not trained on", self.store.describe(row), row, reason
-            )
-        skipped.append((self.store.describe(row), reason))
-        return None
-
     def fetch(self, indices: np.ndarray, keys: np.ndarray, passes: np.ndarray) -> dict[str, Any]:
+        return self.fetch_many([(indices, {"keys": keys, "passes": passes})])[0]
+
+    def fetch_many(self, calls: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> list[dict[str, Any]]:
+        """``fetch`` of several spans at once: their conversations' states are fetched together,
+        ``fetch_threads`` at a time, so one slow fetch overlaps the others."""
         if self.packed is None:
             self.packed = self._pack()
-        rows, length = len(indices), self.total_seq_len
+        rows = [
+            [
+                self.packed.row(pass_, row).tolist()
+                for row, pass_ in zip(indices.tolist(), extra["passes"].tolist(), strict=True)
+            ]
+            for indices, extra in calls
+        ]
+        wanted = [self.first + c for span in rows for row in span for c in row]
+        tokens = {row: self.dataset[row] for row in wanted}
+        outcomes = dict(
+            zip(
+                wanted,
+                self.fetcher.fetch_all(wanted, [torch.from_numpy(tokens[r]["input_ids"]).long() for r in wanted]),
+                strict=True,
+            )
+        )
+        return [
+            self._assemble(span, extra["keys"], tokens, outcomes) for span, (_, extra) in zip(rows, calls, strict=True)
+        ]
+
+    def _usable(self, row: int, outcome: Outcome, skipped: list[tuple[str, str]]) -> bool:
+        if outcome.states is not None:
+            return True
+        where = f"hidden states of {self.store.describe(row)} (dataset row {row})"
+        if self.on_missing == "raise":
+            raise BadSample(
+                f"{where}: {outcome.reason} (on_missing='skip' leaves such conversations out and counts them)"
+            )
+        if self.on_missing == "warn":
+            log.warning("%s: %s; not trained on", where, outcome.reason)
+        skipped.append((self.store.describe(row), outcome.reason))
+        return False
+
+    def _assemble(
+        self, span: list[list[int]], keys: np.ndarray, tokens: dict, outcomes: dict[int, Outcome]
+    ) -> dict[str, Any]:
+        rows, length = len(span), self.total_seq_len
         batch = {
             "input_ids": torch.zeros(rows, length, dtype=torch.int64),
             "loss_mask": torch.zeros(rows, length, dtype=torch.int64),
@@ -159,18 +191,21 @@ class HiddenStateRows:
             "verifier_last_hidden_states": torch.zeros(rows, length, self.hidden_size, dtype=self.dtype),
         }
         skipped: list[tuple[str, str]] = []
-        for b, (row, pass_, key) in enumerate(zip(indices.tolist(), passes.tolist(), keys.tolist(), strict=True)):
+        generated: list[bool] = []  # in generation mode: whether each conversation's states came, in order
+        for b, (conversations, key) in enumerate(zip(span, keys.tolist(), strict=True)):
             filled = document = 0
-            for conversation in self.packed.row(pass_, row).tolist():
-                found = self._conversation(self.first + conversation, skipped)
-                if found is None:
+            for conversation in conversations:
+                row = self.first + conversation
+                outcome = outcomes[row]
+                generated.append(not outcome.generation_failed)
+                if not self._usable(row, outcome, skipped):
                     continue
-                tokens, states = found
-                n = min(len(tokens["input_ids"]), length)
+                ids, states = tokens[row], outcome.states
+                n = min(len(ids["input_ids"]), length)
                 at = slice(filled, filled + n)
                 hidden = states["hidden_states"][:n]
-                batch["input_ids"][b, at] = torch.from_numpy(tokens["input_ids"][:n])
-                batch["loss_mask"][b, at] = torch.from_numpy(tokens["loss_mask"][:n])
+                batch["input_ids"][b, at] = torch.from_numpy(ids["input_ids"][:n])
+                batch["loss_mask"][b, at] = torch.from_numpy(ids["loss_mask"][:n])
                 batch["position_ids"][b, at] = torch.arange(n)
                 batch["document_ids"][b, at] = document
                 batch["hidden_states"][b, at] = hidden[:, :-1].flatten(1)  # copy_ casts to dtype
@@ -178,7 +213,7 @@ class HiddenStateRows:
                 filled, document = filled + n, document + 1
             if self.noise_std > 0 and filled:
                 self._add_noise(batch["hidden_states"][b, :filled], key)
-        return {**batch, "skipped": skipped}
+        return {**batch, "skipped": skipped, "generated": generated}
 
     def _add_noise(self, hidden: torch.Tensor, key: int) -> None:
         generator = torch.Generator().manual_seed(key & (2**63 - 1))
@@ -190,8 +225,10 @@ class HiddenStateRows:
 
     def to_batch(self, raw: dict[str, Any]) -> Batch:
         self.bad_samples.record(raw["skipped"])
-        batch = {key: value for key, value in raw.items() if key not in ("skipped", "valid")}
-        return self.preprocess(batch) if self.preprocess is not None else batch
+        batch = {key: value for key, value in raw.items() if key not in ("skipped", "generated", "valid")}
+        batch = self.preprocess(batch) if self.preprocess is not None else batch
+        stop = self.breaker.record(raw["generated"], raw["skipped"])
+        return batch if stop is None else {**batch, STOP: stop}
 
     def mask_rows(self, batch: Batch, invalid: torch.Tensor) -> None:
         """Padding rows (a validation tail, a resume off the step grid) take no loss."""

@@ -3,7 +3,9 @@ training speculative-decoding draft models (EAGLE-style), through the sample pla
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,11 @@ from datamodules.plan.bad_samples import BadSampleLog, check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.sample_plan import SamplePlan
+from datamodules.speculative.generation_client import GenerationClient, GenerationServer
 from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows, column_lengths
-from datamodules.speculative.hidden_states_store import STORES, HiddenStatesStore
+from datamodules.speculative.hidden_states_store import STORES
 from datamodules.speculative.multipack import OverLong
+from datamodules.speculative.state_fetcher import ON_GENERATE, StateFetcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLUMNS = ("input_ids", "loss_mask", "seq_len")
@@ -58,7 +62,15 @@ class HiddenStatesDataModule(PlanDataModule):
         train_ratio: rows ``[0, n * train_ratio)`` (rounded half up) train, the rest validate; in (0, 1).
         dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``: the hidden states' dtype.
         on_missing: states missing or not matching their tokens: ``"raise"`` (default), ``"skip"``
-            (counted, logged once each) or ``"warn"`` (each also logged when met).
+            (counted, logged once each), ``"warn"`` (each also logged when met) or ``"generate"``
+            (asked of ``server``; the ones that still fail are skipped and counted, and the server's
+            circuit breaker stops training on every rank after ``max_failures`` of them in a row).
+        server: the vLLM server(s) that generate missing states (``GenerationServer``: urls, served
+            model, timeout, retries, validation retries, backoff, breaker); needs ``on_missing="generate"``.
+        on_generate: a generated state is kept in the store (``"cache"``, default: later passes read
+            it) or removed once read (``"delete"``).
+        fetch_threads: conversations whose states are fetched at once per process (or worker); with
+            more than one, a worker message holds enough rows to keep them all busy.
         noise, noise_std: training-only noise on ``hidden_states``: ``"uniform"`` on
             ``(-noise_std, noise_std)`` (its standard deviation is ``noise_std / sqrt(3)``) or
             ``"gaussian"`` with standard deviation ``noise_std``; default 0: none.
@@ -69,7 +81,8 @@ class HiddenStatesDataModule(PlanDataModule):
         store: the hidden-states backend, a key of ``STORES`` (default ``"files"``).
         worker_start_method: how DataLoader workers start: ``"spawn"`` (default: safe once CUDA is
             initialised), ``"fork"`` or ``"forkserver"``.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order: see
+            ``PlanDataModule`` (``in_order=False`` keeps one slow fetch from stalling the rank).
 
     Example::
 
@@ -85,6 +98,9 @@ class HiddenStatesDataModule(PlanDataModule):
         train_ratio: float = 0.9,
         dtype: str = "bfloat16",
         on_missing: str = "raise",
+        server: GenerationServer | None = None,
+        on_generate: str = "cache",
+        fetch_threads: int = 1,
         noise: str = "uniform",
         noise_std: float = 0.0,
         over_long: OverLong = "truncate",
@@ -97,6 +113,7 @@ class HiddenStatesDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        in_order: bool = True,
     ) -> None:
         super().__init__(
             1,
@@ -105,6 +122,7 @@ class HiddenStatesDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            in_order=in_order,
         )
         self.data_dir = str(data_dir)
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
@@ -114,6 +132,16 @@ class HiddenStatesDataModule(PlanDataModule):
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
         self.on_missing = check_policy(on_missing, MISSING_POLICIES, "on_missing")
+        if (on_missing == "generate") != (server is not None):
+            raise ValueError(
+                f"on_missing={on_missing!r} with server={server!r}: generating states needs a server "
+                "(server=GenerationServer(urls=[...], model=...)), and a server is used only by on_missing='generate'"
+            )
+        if isinstance(server, dict):
+            server = GenerationServer(**server)
+        self.server = server
+        self.on_generate = check_policy(on_generate, ON_GENERATE, "on_generate")
+        self.fetch_threads = require_int("fetch_threads", fetch_threads, 1)
         self.noise = check_policy(noise, NOISES, "noise")
         if isinstance(noise_std, bool) or not isinstance(noise_std, int | float) or not noise_std >= 0:
             raise ValueError(f"noise_std must be a number >= 0, got {noise_std!r}")
@@ -121,28 +149,40 @@ class HiddenStatesDataModule(PlanDataModule):
         self.over_long, self.length_quantum, self.preprocess = over_long, length_quantum, preprocess
         self.store = check_policy(store, tuple(STORES), "store")
         self.worker_start_method = check_policy(worker_start_method, START_METHODS, "worker_start_method")
-        self.save_hyperparameters(ignore=["preprocess"])
+        self.save_hyperparameters(ignore=["preprocess", "server"])
+        # Plain values, so ``torch.load(weights_only=True)`` reads the checkpoint.
+        self.hparams["server"] = asdict(server) if server is not None else None
 
     def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
         dataset = self._load()
         first_val = train_rows(len(dataset), self.train_ratio)
         store = STORES[self.store](self.hidden_states_dir)
-        layers, hidden_size = self.on_rank_zero(lambda: self._state_shape(store, len(dataset)))
+        client = None
+        if self.server is not None:
+            client = GenerationClient(self.server)
+            client.check_model()
+        retries = self.server.validation_retries if self.server else 0
+        fetcher = StateFetcher(store, None, None, client, self.on_generate, retries, self.fetch_threads)
+        fetcher.layers, fetcher.hidden_size = self.on_rank_zero(lambda: self._state_shape(fetcher, dataset))
+        mean_length = float(np.mean(np.asarray(dataset.data.column("seq_len")))) if len(dataset) else 1.0
         common = {
             "total_seq_len": self.total_seq_len,
-            "layers": layers,
-            "hidden_size": hidden_size,
             "dtype": DTYPES[self.dtype],
             "seed": self.seed,
             "over_long": self.over_long,
             "length_quantum": self.length_quantum,
             "on_missing": self.on_missing,
+            "max_failures": self.server.max_failures if self.server else None,
+            # Rows enough that every fetch thread has a conversation to fetch.
+            "batches_per_message": max(
+                1, math.ceil(self.fetch_threads * min(mean_length, self.total_seq_len) / self.total_seq_len)
+            ),
             "preprocess": self.preprocess,
         }
         train = HiddenStateRows(
-            dataset, 0, first_val, store, noise=self.noise, noise_std=self.noise_std, name="train", **common
+            dataset, 0, first_val, fetcher, noise=self.noise, noise_std=self.noise_std, name="train", **common
         )
-        val = HiddenStateRows(dataset, first_val, len(dataset), store, name="validation", **common)
+        val = HiddenStateRows(dataset, first_val, len(dataset), fetcher, name="validation", **common)
         return [("train", train, val)]
 
     def _load(self) -> Any:
@@ -162,16 +202,26 @@ class HiddenStatesDataModule(PlanDataModule):
                 )
         return dataset
 
-    def _state_shape(self, store: HiddenStatesStore, num_rows: int) -> tuple[int, int]:
-        """``(L, H)`` of the first cached state: every state must have them, so all ranks agree on shapes."""
-        for row in range(num_rows):
-            states = store.lookup(row)
+    def _state_shape(self, fetcher: StateFetcher, dataset: Any) -> tuple[int, int]:
+        """``(L, H)`` of the first cached state (when generating: of row 0's, generated if need be);
+        every state must have them, so all ranks agree on shapes."""
+        if fetcher.client is not None:
+            ids = torch.as_tensor(dataset.with_format("numpy")[0]["input_ids"]).long()
+            found = fetcher.fetch(0, ids)
+            if found.states is None:
+                raise ValueError(f"cannot learn the hidden states' shape from row 0: {found.reason}")
+            candidates = [(0, found.states)]
+        else:
+            candidates = ((row, fetcher.store.lookup(row)) for row in range(len(dataset)))
+        for row, states in candidates:
             if states is not None:
                 layers, hidden_size = states["hidden_states"].shape[1:]
                 if layers < 2:
-                    raise ValueError(f"{store.describe(row)} holds {layers} layer; draft training needs at least 2")
+                    raise ValueError(
+                        f"{fetcher.store.describe(row)} holds {layers} layer; draft training needs at least 2"
+                    )
                 return int(layers), int(hidden_size)
-        raise ValueError(f"no hidden states found for any of the {num_rows} rows in {self.hidden_states_dir}")
+        raise ValueError(f"no hidden states found for any of the {len(dataset)} rows in {self.hidden_states_dir}")
 
     def build_plan(self, position: int, step: int) -> SamplePlan:
         # Packed rows arrive in the packer's own order, keyed by the pass; the plan adds no shuffle.

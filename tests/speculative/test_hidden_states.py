@@ -166,7 +166,7 @@ def test_warn_logs_every_conversation_it_leaves_out(own_data: Path, caplog: pyte
         ({"train_ratio": 1.5}, r"got 1.5"),
         ({"train_ratio": True}, r"got True"),
         ({"dtype": "int8"}, r"dtype must be one of \('float32', 'bfloat16', 'float16'\), got 'int8'"),
-        ({"on_missing": "ignore"}, r"on_missing must be one of \('skip', 'warn', 'raise'\), got 'ignore'"),
+        ({"on_missing": "ignore"}, r"on_missing must be one of \('generate', 'skip', 'warn', 'raise'\), got 'ignore'"),
         ({"noise": "laplace"}, r"noise must be one of \('uniform', 'gaussian'\), got 'laplace'"),
         ({"noise_std": -0.1}, r"noise_std must be a number >= 0, got -0.1"),
         ({"store": "redis"}, r"store must be one of \('files',\), got 'redis'"),
