@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +56,14 @@ def launch_env(port: int, **extra: object) -> dict[str, str]:
     return env
 
 
-def run_processes(commands: list[tuple[list[str], dict[str, str]]], log_dir: Path) -> None:
+def run_processes(
+    commands: list[tuple[list[str], dict[str, str]]], log_dir: Path, settled: Callable[[], bool] | None = None
+) -> None:
     """Start every command at once and wait for all; on a failure or timeout, kill them and show their logs.
 
     Each process gets its own session, so a kill also reaches the ranks Lightning launched from it.
+    With ``settled``, a failure is expected: the processes must exit with an error, and the ranks
+    they launched get until ``settled()`` holds (or the timeout) before anything is killed.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
@@ -77,6 +82,11 @@ def run_processes(commands: list[tuple[list[str], dict[str, str]]], log_dir: Pat
         except subprocess.TimeoutExpired:
             timed_out = True
             break
+    if settled is not None and not timed_out:
+        while not settled() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert settled(), f"the other ranks did not finish within {TIMEOUT_S} s: one was left hanging"
+        assert all(p.returncode != 0 for p in procs), "the run was expected to fail"
     for proc in procs:
         if timed_out or proc.returncode != 0:
             try:
@@ -84,7 +94,7 @@ def run_processes(commands: list[tuple[list[str], dict[str, str]]], log_dir: Pat
             except ProcessLookupError:
                 pass
     failed = [(i, p.returncode) for i, p in enumerate(procs) if timed_out or p.returncode != 0]
-    if failed:
+    if failed and (settled is None or timed_out):
         for proc in procs:
             proc.wait()
         shown = "\n".join(
@@ -107,6 +117,10 @@ class Run:
     def info(self, rank: int) -> dict:
         return json.loads((self.root / f"info.rank{rank}").read_text())
 
+    def error(self, rank: int) -> str:
+        """The exception that ended the run on ``rank``."""
+        return (self.root / f"info.error.rank{rank}").read_text()
+
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step={step}.ckpt"
 
@@ -125,16 +139,18 @@ class Run:
         return [digest for line in path.read_text().splitlines() for digest in json.loads(line)]
 
 
-def train_record(args: list[str], root: Path, num_nodes: int = 1) -> Run:
+def train_record(args: list[str], root: Path, num_nodes: int = 1, failing_ranks: int = 0) -> Run:
     """Run ``train_record.py`` with ``args`` (plus its output paths under ``root``) and wait for it.
 
     With ``num_nodes > 1`` one process per node is launched here, each with its ``NODE_RANK``, all
-    meeting at ``MASTER_ADDR=127.0.0.1``; Lightning launches the ranks inside a node.
+    meeting at ``MASTER_ADDR=127.0.0.1``; Lightning launches the ranks inside a node. With
+    ``failing_ranks``, the run must fail, each of that many ranks recording its error (``Run.error``).
     """
     cmd = [sys.executable, str(SCRIPTS / "train_record.py"), *args, "--num-nodes", str(num_nodes)]
     cmd += ["--root", str(root), "--record", str(root / "records"), "--info", str(root / "info")]
     port = free_port()
-    run_processes([(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)], root / "logs")
+    settled = (lambda: len(list(root.glob("info.error.rank*"))) == failing_ranks) if failing_ranks else None
+    run_processes([(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)], root / "logs", settled)
     return Run(root)
 
 

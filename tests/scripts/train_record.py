@@ -90,6 +90,16 @@ class LoaderProbe(Callback):
         }
 
 
+class ErrorRecorder(Callback):
+    """Writes the exception that ended ``fit`` on this rank to ``{path}.rank{r}``, as soon as it is raised."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_exception(self, trainer: Trainer, pl_module, exception: BaseException) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}").write_text(f"{type(exception).__name__}: {exception}")
+
+
 def mixture_components(spec: str) -> list[MixtureComponent]:
     """``name=dir:weight,...`` as mixture components of token-shard sources."""
     components = []
@@ -112,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hidden-states", help="a save_to_disk folder with hidden_states/ (HiddenStatesDataModule)")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image/video-folder: held out")
     parser.add_argument("--train-ratio", type=float, default=0.9, help="with --hidden-states")
+    parser.add_argument("--server", help="with --hidden-states: a generation server url (on_missing='generate')")
+    parser.add_argument("--server-model", default="tiny-llama", help="with --server: the served model id")
+    parser.add_argument("--max-failures", type=int, default=8, help="with --server: the circuit breaker")
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
@@ -169,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     elif args.hidden_states:
         del loading["batch_size"]  # one packed row per rank per step
+        if args.server:
+            server = {"urls": [args.server], "model": args.server_model, "max_failures": args.max_failures}
+            server.update(retries=1, backoff=0.01)  # fail fast: the breaker is under test
+            loading.update(on_missing="generate", server=server, on_generate="delete")
         datamodule = HiddenStatesDataModule(
             args.hidden_states, total_seq_len=loading.pop("seq_len"), train_ratio=args.train_ratio, **loading
         )
@@ -189,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         datamodule = TokenShardDataModule(args.data, **loading)
     probe = LoaderProbe(datamodule)
     callbacks: list[Callback] = [probe]
+    if args.info:
+        callbacks.append(ErrorRecorder(f"{args.info}.error"))
     if args.phases:
         callbacks.append(PhaseScheduler(json.loads(args.phases)))
     if args.every_n_steps:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from datamodules import HiddenStatesDataModule
+from examples.hidden_states_server import HiddenStatesServer
 from tests.distributed_support import Run, train_record
-from tests.speculative.speculative_data import speculative_dataset
+from tests.speculative.speculative_data import conversations, speculative_dataset, tiny_verifier
 from tests.support import row_digest
 
 ROWS, ROW_LEN = 60, 64
@@ -26,12 +27,12 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return speculative_dataset(tmp_path_factory.mktemp("speculative"), ROWS)
 
 
-def train(data_dir: Path, root: Path, devices: int, **kw: object) -> Run:
+def train(data_dir: Path, root: Path, devices: int, failing_ranks: int = 0, **kw: object) -> Run:
     args = ["--hidden-states", str(data_dir), "--seq-len", str(ROW_LEN), "--batch-size", "1", "--devices", str(devices)]
     args += ["--strategy", "ddp" if devices > 1 else "auto"]
     for key, value in kw.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    return train_record(args, root)
+    return train_record(args, root, failing_ranks=failing_ranks)
 
 
 def planned_conversations(data_dir: Path, ranks: int) -> tuple[Counter, Counter, int]:
@@ -66,3 +67,18 @@ def test_elastic_resume_of_a_2_rank_checkpoint_on_1_rank_trains_every_row_once(d
     expected_train, _, rows = planned_conversations(data_dir, ranks=1)
     assert Counter(trained) == expected_train
     assert resumed.info(0)["positions_consumed"] == rows
+
+
+def test_the_circuit_breaker_stops_both_ddp_ranks_with_one_error_and_leaves_none_hanging(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    conversations(ROWS).save_to_disk(str(data_dir))
+    first = tuple(datasets.load_from_disk(str(data_dir))["input_ids"][0])
+    # Row 0 generates (setup learns the states' shape from it); every other request fails.
+    failing = lambda number, prompt: None if tuple(prompt) == first else "error"  # noqa: E731
+    with HiddenStatesServer(tiny_verifier(), "tiny-llama", [1, 2, 3], tmp_path / "served", faults=failing) as server:
+        run = train(
+            data_dir, tmp_path / "run", devices=2, failing_ranks=2, max_steps=20, server=server.url, max_failures=3
+        )
+    for rank in (0, 1):
+        assert "training stopped on every rank" in run.error(rank) and "(max_failures=3)" in run.error(rank)
+    assert len(run.records(0)) == len(run.records(1)) <= 1  # both stopped at the same step
