@@ -6,10 +6,14 @@
 as ``{output_dir}/{n}.safetensors`` (``hidden_states`` ``[T, L, H]``, ``token_ids`` ``[T]``) and answers
 with ``choices[0].prompt_token_ids`` and ``kv_transfer_params.hidden_states_path``, as vLLM's
 hidden-states connector does. ``delay`` adds latency to every request; ``faults`` injects failures.
+
+``python -m examples.hidden_states_server --model PATH --layers 1,2,4 [--delay 0.05]`` serves until
+interrupted and prints its URL first.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -115,6 +119,7 @@ class HiddenStatesServer:
 def _handler(server: HiddenStatesServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the client expects
+        disable_nagle_algorithm = True  # headers and body go out at once, not 40 ms apart (delayed ACK)
 
         def log_message(self, format: str, *args: object) -> None:  # quiet: tests and benchmarks read counts
             pass
@@ -161,3 +166,39 @@ def _handler(server: HiddenStatesServer) -> type[BaseHTTPRequestHandler]:
                 server._end()
 
     return Handler
+
+
+def every_nth_slow(every: int) -> Faults:
+    """Faults that make requests ``0, every, 2 * every, ...`` slow."""
+    return lambda number, prompt: "slow" if number % every == 0 else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a transformers causal LM: local path or hub name")
+    parser.add_argument("--model-id", help="the id /v1/models lists; default: --model")
+    parser.add_argument("--layers", required=True, help="comma-separated hidden_states indices, the last predicted")
+    parser.add_argument("--output-dir", default="served_hidden_states")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds added to every request")
+    parser.add_argument("--slow-every", type=int, help="make every n-th request slow (--slow-seconds more)")
+    parser.add_argument("--slow-seconds", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    layers = [int(x) for x in args.layers.split(",")]
+    faults = every_nth_slow(args.slow_every) if args.slow_every else None
+    server = HiddenStatesServer(
+        model, args.model_id or args.model, layers, args.output_dir, args.delay, faults, args.slow_seconds
+    )
+    with server:
+        print(server.url, flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -173,9 +173,13 @@ class HiddenStatesDataModule(PlanDataModule):
             "length_quantum": self.length_quantum,
             "on_missing": self.on_missing,
             "max_failures": self.server.max_failures if self.server else None,
-            # Rows enough that every fetch thread has a conversation to fetch.
-            "batches_per_message": max(
-                1, math.ceil(self.fetch_threads * min(mean_length, self.total_seq_len) / self.total_seq_len)
+            # Rows enough for about four conversations per fetch thread: a message's fetches run in
+            # waves of ``fetch_threads``, and the last, partly idle wave then costs little.
+            "batches_per_message": math.ceil(
+                (4 if self.fetch_threads > 1 else 1)
+                * self.fetch_threads
+                * min(mean_length, self.total_seq_len)
+                / self.total_seq_len
             ),
             "preprocess": self.preprocess,
         }

@@ -35,9 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def slow_rows(dm: HiddenStatesDataModule, rows: list[int]):
     """Faults that make every conversation of packed training rows ``rows`` (first pass) slow."""
     source = dm._train
-    slow = {
-        tuple(source.dataset[source.first + c]["input_ids"].tolist()) for r in rows for c in source.packed.row(0, r)
-    }
+    wanted = [source.first + c for r in rows for c in source.packed.row(0, r).tolist()]
+    slow = {tuple(tokens["input_ids"].tolist()) for tokens in source.conversations(wanted).values()}
     return lambda number, prompt: "slow" if tuple(prompt) in slow else None
 
 

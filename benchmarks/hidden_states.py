@@ -1,0 +1,184 @@
+"""Hidden-state loading for speculative decoding: generated on demand from a server, and cached.
+
+1. Concurrent fetches: conversations/s out of ``HiddenStatesDataModule(on_missing="generate")`` with
+   ``fetch_threads`` 1 and 8 (in-process), against a local server (``examples/hidden_states_server``,
+   a tiny random Llama, in its own process) that adds 50 ms to every request.
+2. ``in_order``: packed rows/s with 2 workers, ``in_order`` True against False, from a server that
+   makes one request in five slow (+0.3 s).
+3. Cached states: conversations/s and GB/s of safetensors read by the loader (``num_workers`` 0 and 2)
+   against a bare loop of ``safetensors.torch.load_file`` over the same files (the floor).
+
+Alternating contenders, medians over rounds: ``python -m benchmarks.hidden_states``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from benchmarks.common import add_run_arguments, data_directory, report, results_directory, warm_page_cache
+from datamodules import HiddenStatesDataModule
+from datamodules.speculative.hidden_states_store import HiddenStateFiles
+from examples.default_conversations import tiny_verifier
+
+VOCAB = 1000
+LAYERS = "1,2,4"
+
+
+def conversations(directory: Path, count: int, mean: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(mean) - 0.18, 0.6, count), 8, 4 * mean).astype(int)
+    ids = [[1, *rng.integers(2, VOCAB, n - 1).tolist()] for n in lengths]
+    rows = {"input_ids": ids, "loss_mask": [[1] * n for n in lengths], "seq_len": lengths.tolist()}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(directory))
+    return directory
+
+
+def documents(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["document_ids"].amax(dim=1) + 1).sum())
+
+
+def rate(loader, seconds: float, count=documents) -> float:
+    """Units per second out of ``loader`` after its first batch (start-up excluded), for ``seconds``."""
+    batches = iter(loader)
+    next(batches)
+    units, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        try:
+            units += count(next(batches))
+        except StopIteration:
+            batches = iter(loader)
+    return units / elapsed
+
+
+class Server:
+    """``examples.hidden_states_server`` in its own process (its model does not share our GIL)."""
+
+    def __init__(self, model: Path, output: Path, *options: str) -> None:
+        command = [sys.executable, "-m", "examples.hidden_states_server", "--model", str(model)]
+        command += ["--model-id", "tiny", "--layers", LAYERS, "--output-dir", str(output), *options]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self.url = self.process.stdout.readline().strip()
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+def generating(data: Path, server: Server, **kw: object) -> HiddenStatesDataModule:
+    dm = HiddenStatesDataModule(
+        str(data),
+        on_missing="generate",
+        on_generate="delete",
+        server={"urls": [server.url], "model": "tiny", "timeout": 30},
+        **{"total_seq_len": 2048, **kw},
+    )
+    dm.setup("fit")
+    return dm
+
+
+def medians(contenders: dict[str, object], rounds: int, measure) -> dict[str, float]:
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, subject in contenders.items():
+            samples[name].append(measure(subject))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def bare_loop(paths: list[Path], seconds: float) -> tuple[float, float]:
+    """(files/s, GB/s) of ``load_file`` over ``paths`` in order, repeated for ``seconds``."""
+    files = nbytes = 0
+    start = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        for path in paths:
+            states = load_file(str(path))
+            nbytes += sum(t.numel() * t.element_size() for t in states.values())
+            files += 1
+    return files / elapsed, nbytes / elapsed / 1e9
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    seconds, rounds = (1.0, 1) if quick else (5.0, args.rounds)
+    torch.set_num_threads(1)
+    tables, checks = {}, {}
+    with data_directory(args.data_dir) as root:
+        model = root / "verifier"
+        tiny_verifier(VOCAB).save_pretrained(model)
+        data = conversations(root / "generated", 400 if quick else 2000, mean=300)
+
+        with Server(model, root / "served", "--delay", "0.05") as server:
+            threaded = {n: generating(data, server, fetch_threads=n) for n in (1, 8)}
+            fetched = medians(threaded, rounds, lambda dm: rate(dm.train_dataloader(), seconds))
+        speedup = fetched[8] / fetched[1]
+        tables["Generated on demand, 50 ms per request, in-process"] = (
+            ["fetch_threads", "conversations/s", "vs 1 thread"],
+            [{"fetch_threads": n, "conversations/s": r, "vs 1 thread": r / fetched[1]} for n, r in fetched.items()],
+        )
+        checks[f"fetch_threads=8 >= 5x fetch_threads=1 ({speedup:.2f}x)"] = speedup >= 5
+
+        with Server(model, root / "served", "--slow-every", "5", "--slow-seconds", "0.3") as server:
+            ordered = {
+                flag: generating(data, server, total_seq_len=512, num_workers=2, in_order=flag)
+                for flag in (True, False)
+            }
+            rows = medians(ordered, rounds, lambda dm: rate(dm.train_dataloader(), 2 * seconds, lambda b: 1))
+        gain = rows[False] / rows[True]
+        tables["One request in five slow (+0.3 s), 2 workers, rows of 512 tokens"] = (
+            ["in_order", "rows/s", "vs in order"],
+            [{"in_order": flag, "rows/s": r, "vs in order": r / rows[True]} for flag, r in rows.items()],
+        )
+        checks[f"in_order=False faster than in_order=True ({gain:.2f}x)"] = gain > 1
+
+        cached = conversations(root / "cached", 40 if quick else 200, mean=300, seed=1)
+        store = HiddenStateFiles(cached / "hidden_states")
+        width = 256 if quick else 1024
+        generator = torch.Generator().manual_seed(0)
+        for row, ids in enumerate(datasets.load_from_disk(str(cached))["input_ids"]):
+            hidden = torch.randn(len(ids), 3, width, generator=generator).to(torch.bfloat16)
+            store.cache(row, {"hidden_states": hidden, "token_ids": torch.tensor(ids)})
+        paths = [store.path(row) for row in range(len(datasets.load_from_disk(str(cached))))]
+        file_bytes = warm_page_cache(paths)
+        loaders = {w: HiddenStatesDataModule(str(cached), total_seq_len=2048, num_workers=w) for w in (0, 2)}
+        for dm in loaders.values():
+            dm.setup("fit")
+        per_file = file_bytes / len(paths) / 1e9
+        contenders = {"bare load_file loop": None, **{f"loader, num_workers={w}": dm for w, dm in loaders.items()}}
+        reads = medians(
+            contenders,
+            rounds,
+            lambda dm: bare_loop(paths, seconds)[0] if dm is None else rate(dm.train_dataloader(), seconds),
+        )
+        floor = reads["bare load_file loop"]
+        tables[f"Cached states: {len(paths)} files, {file_bytes / 1e6:,.0f} MB, bf16 [T, 3, {width}]"] = (
+            ["reader", "conversations/s", "GB/s", "of the floor"],
+            [
+                {"reader": k, "conversations/s": r, "GB/s": r * per_file, "of the floor": r / floor}
+                for k, r in reads.items()
+            ],
+        )
+        checks["loader reads cached states (num_workers=0) at >= 0.5 of the bare loop"] = (
+            reads["loader, num_workers=0"] >= 0.5 * floor
+        )
+    config = {"rounds": rounds, "seconds": seconds, "quick": quick, "torch_threads": 1}
+    report("hidden_states", tables, config, checks, results_directory(args.results_dir, quick))
+
+
+if __name__ == "__main__":
+    main()
