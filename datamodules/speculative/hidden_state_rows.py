@@ -154,7 +154,7 @@ class HiddenStateRows:
         ]
         wanted = [self.first + c for span in rows for row in span for c in row]
         tokens = self.conversations(wanted)
-        ids = [torch.from_numpy(tokens[row]["input_ids"]).long() for row in wanted]
+        ids = [torch.tensor(tokens[row]["input_ids"], dtype=torch.int64) for row in wanted]
         outcomes = dict(zip(wanted, self.fetcher.fetch_all(wanted, ids), strict=True))
         return [
             self._assemble(span, extra["keys"], tokens, outcomes) for span, (_, extra) in zip(rows, calls, strict=True)
@@ -195,8 +195,9 @@ class HiddenStateRows:
             "loss_mask": torch.zeros(rows, length, dtype=torch.int64),
             "position_ids": torch.zeros(rows, length, dtype=torch.int64),
             "document_ids": torch.full((rows, length), -1, dtype=torch.int64),
-            "hidden_states": torch.zeros(rows, length, (self.layers - 1) * self.hidden_size, dtype=self.dtype),
-            "verifier_last_hidden_states": torch.zeros(rows, length, self.hidden_size, dtype=self.dtype),
+            # Left unset: each row's padding is zeroed once its conversations are in (most is filled).
+            "hidden_states": torch.empty(rows, length, self.layers - 1, self.hidden_size, dtype=self.dtype),
+            "verifier_last_hidden_states": torch.empty(rows, length, self.hidden_size, dtype=self.dtype),
         }
         if torch.utils.data.get_worker_info() is not None:
             # Filled in shared memory: the message to the main process then passes it, not a copy of it.
@@ -215,15 +216,18 @@ class HiddenStateRows:
                 n = min(len(ids["input_ids"]), length)
                 at = slice(filled, filled + n)
                 hidden = states["hidden_states"][:n]
-                batch["input_ids"][b, at] = torch.from_numpy(ids["input_ids"][:n])
-                batch["loss_mask"][b, at] = torch.from_numpy(ids["loss_mask"][:n])
+                batch["input_ids"][b, at] = torch.tensor(ids["input_ids"][:n])  # copies: Arrow's buffers are read-only
+                batch["loss_mask"][b, at] = torch.tensor(ids["loss_mask"][:n])
                 batch["position_ids"][b, at] = torch.arange(n)
                 batch["document_ids"][b, at] = document
-                batch["hidden_states"][b, at] = hidden[:, :-1].flatten(1)  # copy_ casts to dtype
+                batch["hidden_states"][b, at] = hidden[:, :-1]  # one copy, cast to dtype on the way
                 batch["verifier_last_hidden_states"][b, at] = hidden[:, -1]
                 filled, document = filled + n, document + 1
+            batch["hidden_states"][b, filled:] = 0
+            batch["verifier_last_hidden_states"][b, filled:] = 0
             if self.noise_std > 0 and filled:
                 self._add_noise(batch["hidden_states"][b, :filled], key)
+        batch["hidden_states"] = batch["hidden_states"].flatten(2)  # layers 1..L-1 side by side: a view
         return {**batch, "skipped": skipped, "generated": generated}
 
     def _add_noise(self, hidden: torch.Tensor, key: int) -> None:
