@@ -40,14 +40,14 @@ def slow_rows(dm: HiddenStatesDataModule, rows: list[int]):
     return lambda number, prompt: "slow" if tuple(prompt) in slow else None
 
 
-def datamodule(data_dir: Path, server: HiddenStatesServer, in_order: bool) -> HiddenStatesDataModule:
+def datamodule(data_dir: Path, server: HiddenStatesServer, in_order: bool, workers: int = 2) -> HiddenStatesDataModule:
     dm = HiddenStatesDataModule(
         str(data_dir),
         total_seq_len=ROW_LEN,
         on_missing="generate",
         on_generate="delete",  # every pass asks the server again
         server={"urls": [server.url], "model": MODEL},
-        num_workers=2,
+        num_workers=workers,
         in_order=in_order,
         seed=5,
     )
@@ -102,15 +102,8 @@ def test_an_out_of_order_run_stopped_and_resumed_trains_every_batch_exactly_once
 
 def in_order_epoch(data_dir: Path, server: HiddenStatesServer, steps: int) -> list[dict]:
     """The records of an uninterrupted epoch of ``steps`` packed rows, trained in plan order."""
-    dm = HiddenStatesDataModule(
-        str(data_dir),
-        total_seq_len=ROW_LEN,
-        on_missing="generate",
-        on_generate="delete",
-        server={"urls": [server.url], "model": MODEL},
-        seed=5,
-    )
     model = RecordingModel()
+    dm = datamodule(data_dir, server, in_order=True, workers=0)
     quiet_trainer(max_steps=steps, limit_val_batches=0).fit(model, datamodule=dm)
     return model.records
 
