@@ -198,7 +198,7 @@ class PlanDataModule(LightningDataModule):
         """Plan positions trained so far, over all ranks and all restarts (out of order: up to the
         first span of this rank not yet trained)."""
         if self._trained is not None:
-            return self._trained.sampler.position_after(self._trained.anchor, self._trained.prefix)
+            return self._trained.position
         if self._anchor_batches is None or self._sampler is None:
             return self._anchor_positions
         return self._sampler.position_after(self._anchor_positions, self._batches_trained() - self._anchor_batches)
@@ -408,10 +408,8 @@ class PlanDataModule(LightningDataModule):
     def _out_of_order_state(self) -> dict[str, Any]:
         """Every rank's trained spans (a collective: each rank trained other spans, and only rank 0
         writes the checkpoint): the position all ranks have trained up to and the spans past it."""
-        trained = self._trained
-        local = {self.dp_rank: (trained.prefix, sorted(trained.ahead))}
-        ranks = gathered(local)
-        position, spans = trained.saved({r: p for r, (p, _) in ranks.items()}, {r: a for r, (_, a) in ranks.items()})
+        local = {self.dp_rank: (self._trained.prefix, sorted(self._trained.ahead))}
+        position, spans = self._trained.saved(gathered(local))
         if not any(spans):
             return {"positions_consumed": position}
         layout = {"ranks": self.dp_size, "batch_size": self.batch_size, "spans": spans}

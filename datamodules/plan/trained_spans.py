@@ -32,6 +32,11 @@ class TrainedSpans:
         rank = self.sampler.rank if rank is None else rank
         return self.sampler.position_after(self.anchor, batch) + rank * self.sampler.batch_size
 
+    @property
+    def position(self) -> int:
+        """The plan position this rank has trained every span up to."""
+        return self.sampler.position_after(self.anchor, self.prefix)
+
     def record(self, first: int) -> None:
         self.ahead.add(first)
         self._close_gaps()
@@ -41,12 +46,12 @@ class TrainedSpans:
             self.ahead.remove(first)
             self.prefix += 1
 
-    def saved(self, prefixes: dict[int, int], aheads: dict[int, list[int]]) -> tuple[int, list[list[int]]]:
-        """From every rank's ``prefix`` and ``ahead``: ``(position every rank has trained up to, per
-        rank the first positions of its spans trained past it)``, the state a resume starts from."""
-        common = min(prefixes.values())
+    def saved(self, ranks: dict[int, tuple[int, list[int]]]) -> tuple[int, list[list[int]]]:
+        """From every rank's ``(prefix, ahead)``: ``(position every rank has trained up to, per rank
+        the first positions of its spans trained past it)``, the state a resume starts from."""
+        common = min(prefix for prefix, _ in ranks.values())
         trained = [
-            [self.first_position(b, rank) for b in range(common, prefixes[rank])] + sorted(aheads[rank])
-            for rank in range(len(prefixes))
+            [self.first_position(b, rank) for b in range(common, ranks[rank][0])] + sorted(ranks[rank][1])
+            for rank in range(len(ranks))
         ]
         return self.sampler.position_after(self.anchor, common), trained
