@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "GenerationServer": "datamodules.speculative.generation_client",
     "HFTextDataModule": "datamodules.text.hf_text",
     "HFTextSource": "datamodules.text.hf_text",
     "HiddenStatesDataModule": "datamodules.speculative.hidden_states_datamodule",
@@ -33,6 +34,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "GenerationServer",
     "HFTextDataModule",
     "HFTextSource",
     "HiddenStatesDataModule",
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.speculative.generation_client import GenerationServer
     from datamodules.speculative.hidden_states_datamodule import HiddenStatesDataModule
     from datamodules.speculative.multipack import MultipackBatchSampler
     from datamodules.text.hf_text import HFTextDataModule, HFTextSource

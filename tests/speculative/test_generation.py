@@ -16,8 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 
-from datamodules import HiddenStatesDataModule
-from datamodules.speculative.generation_client import GenerationServer
+from datamodules import GenerationServer, HiddenStatesDataModule
 from datamodules.speculative.hidden_states_store import check_states
 from examples.hidden_states_server import HiddenStatesServer
 from tests.speculative.speculative_data import conversations, speculative_dataset, tiny_verifier
