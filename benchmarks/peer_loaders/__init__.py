@@ -1,0 +1,1 @@
+"""Contenders of ``benchmarks.peers``: one module per loader, all speaking ``protocol``."""

@@ -1,0 +1,255 @@
+"""What every contender of ``benchmarks.peers`` implements, and the measurements run on each.
+
+Each measurement runs in a fresh process, ``python -m benchmarks.peer_loaders.protocol '<json>'``,
+started by ``benchmarks/peers.py`` with the contender's own interpreter (Mosaic ``streaming`` lives
+in a virtual environment of its own, since its pins conflict with ours). So this file imports only
+numpy, torch and the standard library, and a contender module only those plus its own library.
+
+A contender module (``benchmarks/peer_loaders/<name>.py``) defines:
+
+- ``convert(corpus: Path, out: Path, seq_len: int) -> None``: the corpus, ``corpus/all/``,
+  ``corpus/source0/`` and ``corpus/source1/`` (uint16 ``.npy`` shards), rewritten with the peer's
+  own tooling into ``out/`` (samples of ``seq_len + 1`` tokens); nothing for those that read ``.npy``.
+- ``Contender(setup: Setup, state: Any | None)``: a loader over ``setup.data`` (the single corpus,
+  or with ``setup.mixture`` the two sources weighted ``setup.weights``), ``setup.batch_size``
+  samples per batch, ``setup.workers`` loader workers, shuffled with ``setup.seed``; resumed from
+  ``state`` (what ``state_dict`` or ``state_at`` returned) when given. Its methods:
+  ``batches()``, an endless iterator (crossing epochs) of 2-D integer arrays or tensors, one row of
+  token ids per sample; ``state_dict()``, the peer's own resume state after the batches yielded so
+  far (raise ``Unsupported`` with the reason where the peer has none); ``close()``.
+- ``state_at(setup: Setup, step: int) -> tuple[Any, str]``: the state a checkpoint taken after
+  ``step`` batches would hold, built with the peer's own API, and in words what resuming from it
+  must replay (``"nothing"``, ``"the sampler's N indices"``, ...). Raise ``Unsupported`` if none.
+
+Module ``ours`` may instead define ``exact_resume(setup, steps, stop) -> tuple[list[str], list[str]]``
+(the digests of an uninterrupted run and of a run stopped and resumed), since our state is taken
+through ``Trainer.fit``, the path users run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SOURCE_SPLIT = 25_000  # source0's token ids lie below this, source1's at or above it
+
+
+class Unsupported(Exception):
+    """The peer cannot do what was asked (no resume state, no weighted mixture); the message says why."""
+
+
+@dataclass
+class Setup:
+    data: str  # the contender's converted corpus (its ``out`` folder), or the corpus itself
+    corpus: str  # the raw ``.npy`` corpus: all/, source0/, source1/
+    seq_len: int = 2048
+    batch_size: int = 8
+    workers: int = 0
+    mixture: bool = False
+    weights: list[float] = field(default_factory=lambda: [0.7, 0.3])
+    seed: int = 0
+
+
+def as_rows(batch: Any) -> np.ndarray:
+    """A batch as a 2-D numpy array, one row per sample."""
+    rows = batch.numpy() if hasattr(batch, "numpy") else np.asarray(batch)
+    if rows.ndim != 2:
+        raise ValueError(f"a contender's batch must be 2-D (samples x tokens), got shape {rows.shape}")
+    return rows
+
+
+def digest(batch: Any) -> str:
+    rows = np.ascontiguousarray(as_rows(batch).astype(np.int64))
+    return hashlib.blake2b(rows.tobytes(), digest_size=8).hexdigest()
+
+
+def source0_count(batch: Any) -> int:
+    """Samples of the batch drawn from source0 (every token of source0 lies below SOURCE_SPLIT)."""
+    return int((as_rows(batch)[:, 0] < SOURCE_SPLIT).sum())
+
+
+class PeakMemory:
+    """Peak memory of this process and, summed, of its children (the loader's workers), sampled every 50 ms.
+
+    ``rss``: resident pages, file-backed ones included (a memory-mapped corpus counts as it is read,
+    though the kernel can drop those pages). ``added``: anonymous and shared-memory pages over the
+    whole process tree, each shared page counted once (PSS), less this process's own at ``__enter__``
+    (the imported libraries, which the training process holds anyway): the memory the loader adds.
+    """
+
+    def __init__(self) -> None:
+        self.peaks = {"main rss": 0, "workers rss": 0, "added": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._baseline = 0
+
+    @staticmethod
+    def _read(pid: int) -> tuple[int, int]:
+        """(RSS, PSS of anonymous and shared-memory pages) of ``pid``, in bytes."""
+        fields = {}
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("Rss", "Pss_Anon", "Pss_Shmem"):
+                    fields[name] = int(rest.split()[0]) * 1024
+        return fields.get("Rss", 0), fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)
+
+    @staticmethod
+    def _children(pid: int) -> list[int]:
+        found = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    found += [int(c) for c in f.read().split()]
+            except OSError:
+                pass
+        return found + [g for c in found for g in PeakMemory._children(c)]
+
+    def sample(self) -> None:
+        try:
+            children = self._children(os.getpid())
+            rss, private = self._read(os.getpid())
+            workers_rss = 0
+            for child in children:
+                child_rss, child_private = self._read(child)
+                workers_rss += child_rss
+                private += child_private
+            if self._children(os.getpid()) != children:
+                return  # a fork or an exit between the reads: pages would be counted twice or not at all
+        except OSError:  # a child exited since it was listed
+            return
+        self.peaks["main rss"] = max(self.peaks["main rss"], rss)
+        self.peaks["workers rss"] = max(self.peaks["workers rss"], workers_rss)
+        self.peaks["added"] = max(self.peaks["added"], private - self._baseline)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.sample()
+
+    def __enter__(self) -> PeakMemory:
+        self._baseline = self._read(os.getpid())[1]
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def megabytes(self) -> dict[str, float]:
+        return {f"{name} MB": value / 2**20 for name, value in self.peaks.items()}
+
+
+def contender_module(name: str) -> Any:
+    return importlib.import_module(f"benchmarks.peer_loaders.{name}")
+
+
+def run(module: Any, setup: Setup, warmup: int, seconds: float) -> dict[str, Any]:
+    """Fresh-process first batch, then tokens/s over ``seconds`` after ``warmup`` batches, and peak memory."""
+    with PeakMemory() as memory:
+        t0 = time.perf_counter()
+        contender = module.Contender(setup, None)
+        batches = contender.batches()
+        first = next(batches)
+        first_batch = time.perf_counter() - t0
+        tokens_per_batch = as_rows(first).shape[0] * setup.seq_len
+        for _ in range(warmup):
+            next(batches)
+        count, t0 = 0, time.perf_counter()
+        deadline = t0 + seconds
+        while time.perf_counter() < deadline:
+            next(batches)
+            count += 1
+        elapsed = time.perf_counter() - t0
+        contender.close()
+    return {"first batch s": first_batch, "tokens/s": count * tokens_per_batch / elapsed, **memory.megabytes()}
+
+
+def resume(module: Any, setup: Setup, step: int) -> dict[str, Any]:
+    """Seconds from a checkpoint's state at ``step`` to the first batch after it."""
+    try:
+        state, replays = module.state_at(setup, step)
+    except Unsupported as e:
+        return {"resume s": None, "replays": f"cannot resume: {e}"}
+    t0 = time.perf_counter()
+    contender = module.Contender(setup, state)
+    next(contender.batches())
+    elapsed = time.perf_counter() - t0
+    contender.close()
+    return {"resume s": elapsed, "replays": replays}
+
+
+def take(contender: Any, count: int) -> list[Any]:
+    batches = contender.batches()
+    return [as_rows(next(batches)).copy() for _ in range(count)]
+
+
+def exact(module: Any, setup: Setup, steps: int, stop: int) -> dict[str, Any]:
+    """Whether the batches after a stop at ``stop`` and a resume equal those of an uninterrupted run
+    of ``steps`` batches; with a mixture, the largest deviation of a batch from the weights, in samples."""
+    result: dict[str, Any] = {}
+    if hasattr(module, "exact_resume"):
+        whole, resumed = module.exact_resume(setup, steps, stop)
+        deviation_batches = None
+    else:
+        contender = module.Contender(setup, None)
+        deviation_batches = take(contender, steps)
+        contender.close()
+        whole = [digest(b) for b in deviation_batches]
+        contender = module.Contender(setup, None)
+        take(contender, stop)
+        try:
+            state = pickle.loads(pickle.dumps(contender.state_dict()))  # what a checkpoint file keeps
+        except Unsupported as e:
+            contender.close()
+            return {"exact resume": f"no: {e}", **result}
+        contender.close()
+        contender = module.Contender(setup, state)
+        resumed = whole[:stop] + [digest(b) for b in take(contender, steps - stop)]
+        contender.close()
+    mismatched = [i for i, (a, b) in enumerate(zip(whole, resumed, strict=True)) if a != b]
+    if not mismatched:
+        result["exact resume"] = "yes"
+    else:
+        result["exact resume"] = f"no: {len(mismatched)} of {steps - stop} batches after the resume differ"
+    if setup.mixture:
+        if deviation_batches is None:
+            contender = module.Contender(setup, None)
+            deviation_batches = take(contender, steps)
+            contender.close()
+        expected = setup.weights[0] / sum(setup.weights) * setup.batch_size
+        result["max deviation"] = max(abs(source0_count(b) - expected) for b in deviation_batches)
+    return result
+
+
+def main() -> None:
+    task = json.loads(sys.argv[1])
+    module = contender_module(task["contender"])
+    setup = Setup(**task["setup"])
+    if task["task"] == "run":
+        result = run(module, setup, task["warmup"], task["seconds"])
+    elif task["task"] == "resume":
+        result = resume(module, setup, task["step"])
+    elif task["task"] == "exact":
+        result = exact(module, setup, task["steps"], task["stop"])
+    elif task["task"] == "convert":
+        t0 = time.perf_counter()
+        module.convert(Path(setup.corpus), Path(setup.data), setup.seq_len)
+        result = {"convert s": time.perf_counter() - t0}
+    else:
+        raise ValueError(f"unknown task {task['task']!r}: expected run, resume, exact or convert")
+    print("RESULT " + json.dumps({**result, "setup": asdict(setup)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
