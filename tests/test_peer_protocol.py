@@ -55,9 +55,10 @@ class Alternating:
 
 def test_mixture_deviation_is_the_largest_of_any_batch(tmp_path: Path) -> None:
     setup = Setup(data=str(tmp_path), corpus=str(tmp_path), batch_size=8, mixture=True, weights=[0.7, 0.3])
-    result = protocol.exact(SimpleNamespace(Contender=Alternating), setup, steps=6, stop=3)
+    result = protocol.exact(SimpleNamespace(Contender=Alternating), setup, steps=6, stop=3, mixture_batches=10)
     assert result["exact resume"] == "yes"
     assert abs(result["max deviation"] - 0.6) < 1e-9  # 5 where 0.7 * 8 = 5.6 is expected
+    assert result["source0 share"] == 55 / 80  # 6 + 5 in every two batches of 8
 
 
 def _hold(megabytes: int, seconds: float) -> None:

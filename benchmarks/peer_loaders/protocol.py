@@ -194,41 +194,39 @@ def take(contender: Any, count: int) -> list[Any]:
     return [as_rows(next(batches)).copy() for _ in range(count)]
 
 
-def exact(module: Any, setup: Setup, steps: int, stop: int) -> dict[str, Any]:
+def exact(module: Any, setup: Setup, steps: int, stop: int, mixture_batches: int = 200) -> dict[str, Any]:
     """Whether the batches after a stop at ``stop`` and a resume equal those of an uninterrupted run
-    of ``steps`` batches; with a mixture, the largest deviation of a batch from the weights, in samples."""
-    result: dict[str, Any] = {}
+    of ``steps`` batches. With a mixture, over ``mixture_batches`` batches: the largest deviation of a
+    batch from the weights, in samples, and the share of source0 in all of them."""
     if hasattr(module, "exact_resume"):
         whole, resumed = module.exact_resume(setup, steps, stop)
-        deviation_batches = None
     else:
         contender = module.Contender(setup, None)
-        deviation_batches = take(contender, steps)
+        whole = [digest(b) for b in take(contender, steps)]
         contender.close()
-        whole = [digest(b) for b in deviation_batches]
         contender = module.Contender(setup, None)
         take(contender, stop)
         try:
             state = pickle.loads(pickle.dumps(contender.state_dict()))  # what a checkpoint file keeps
         except Unsupported as e:
+            whole = resumed = None
+            result: dict[str, Any] = {"exact resume": f"no: {e}"}
+        contender.close()
+        if whole is not None:
+            contender = module.Contender(setup, state)
+            resumed = whole[:stop] + [digest(b) for b in take(contender, steps - stop)]
             contender.close()
-            return {"exact resume": f"no: {e}", **result}
-        contender.close()
-        contender = module.Contender(setup, state)
-        resumed = whole[:stop] + [digest(b) for b in take(contender, steps - stop)]
-        contender.close()
-    mismatched = [i for i, (a, b) in enumerate(zip(whole, resumed, strict=True)) if a != b]
-    if not mismatched:
-        result["exact resume"] = "yes"
-    else:
-        result["exact resume"] = f"no: {len(mismatched)} of {steps - stop} batches after the resume differ"
+    if whole is not None:
+        mismatched = [i for i, (a, b) in enumerate(zip(whole, resumed, strict=True)) if a != b]
+        differ = f"no: {len(mismatched)} of {steps - stop} batches after the resume differ"
+        result = {"exact resume": differ if mismatched else "yes"}
     if setup.mixture:
-        if deviation_batches is None:
-            contender = module.Contender(setup, None)
-            deviation_batches = take(contender, steps)
-            contender.close()
+        contender = module.Contender(setup, None)
+        counts = np.array([source0_count(b) for b in take(contender, mixture_batches)])
+        contender.close()
         expected = setup.weights[0] / sum(setup.weights) * setup.batch_size
-        result["max deviation"] = max(abs(source0_count(b) - expected) for b in deviation_batches)
+        result["max deviation"] = float(np.abs(counts - expected).max())
+        result["source0 share"] = float(counts.sum() / (len(counts) * setup.batch_size))
     return result
 
 
