@@ -37,7 +37,7 @@ from benchmarks.peer_loaders.protocol import Setup
 
 ROOT = Path(__file__).resolve().parent.parent
 MOSAIC_VENV = ROOT / "benchmarks" / ".venvs" / "mosaic"
-MOSAIC_INSTALL = ["torch==2.14.1", "mosaicml-streaming==0.13.0", "psutil"]
+MOSAIC_INSTALL = ["torch==2.14.1", "mosaicml-streaming==0.13.0"]
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ Timings are not asserted here: the targets are read from the full-size runs in b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
+PEERS = {"litdata": "litdata", "torchdata": "torchdata"}  # Mosaic runs in its own venv, made by the full-size run
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem not in ("__init__", "common"))
 
 
@@ -29,3 +31,19 @@ def test_benchmark_runs_and_writes_its_results(tmp_path: Path, name: str) -> Non
     assert "PASS" in done.stdout or "FAIL" in done.stdout
     assert json.loads((tmp_path / f"{name}.json").read_text())
     assert "|---" in (tmp_path / f"{name}.md").read_text()
+    if name == "peers":
+        check_peers(json.loads((tmp_path / "peers.json").read_text()))
+
+
+def check_peers(record: dict) -> None:
+    """Every contender whose library is installed was measured; ours resumed exactly at every setting."""
+    rows = next(iter(record["tables"].values()))
+    measured = {(r["loader"], r["num_workers"]) for r in rows if r["M tokens/s"]}
+    installed = {"ours", "plain DataLoader", "raw floor"}
+    installed |= {name for name, module in PEERS.items() if importlib.util.find_spec(module) is not None}
+    for row in rows:
+        if row["loader"].split(":")[0].split(" (")[0] in installed and not row["loader"].startswith("raw floor"):
+            assert (row["loader"], row["num_workers"]) in measured, row
+    ours = [r for r in rows if r["loader"].startswith("ours")]
+    assert len(ours) == 4 and all(r["exact resume"] == "yes" for r in ours), ours
+    assert all(r["max mixture deviation"] <= 0.5 for r in ours if "Mixture" in r["loader"]), ours
