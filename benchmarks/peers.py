@@ -303,6 +303,7 @@ def main() -> None:
         "added MB",
         "exact resume",
         "max mixture deviation",
+        "source0 share",
         "note",
     ]
     convert_rows = [

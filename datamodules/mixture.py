@@ -20,6 +20,10 @@ from datamodules.plan.sample_plan import SamplePlan, Segment, largest_remainder_
 
 log = logging.getLogger(__name__)
 
+# A source's share of every global batch may differ from its probability by this fraction of it
+# before a warning says so (whole samples per batch: 0.7 of 8 is 6, 75%).
+ROUNDING_TOLERANCE = 0.05
+
 
 @dataclass
 class MixtureComponent:
@@ -133,6 +137,7 @@ class MixtureDataModule(PlanDataModule):
         self.temperature = temperature
         self.pack_sequences = pack_sequences
         self.allow_mixed_tokenizers = allow_mixed_tokenizers
+        self._rounding_warned: set[tuple[int, tuple[int, ...]]] = set()
         self.base_weights = [float(c.weight) for c in components]
         self._check_weights(self.base_weights, "base weights")
         self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
@@ -211,11 +216,37 @@ class MixtureDataModule(PlanDataModule):
                 segments.append(
                     Segment(position + (start_step - step) * block, block, self.counts_at(start_step, block))
                 )
+        for phase_step in [step] + [start for start, _ in self.phase_weights if start > step]:
+            self._warn_rounding(phase_step, block)
         plan = SamplePlan(tuple(self.sources), seed=self.seed, segments=tuple(segments))
         # A reloaded train loader (reload_dataloaders_every_n_epochs) rebuilds the plan mid-run: the
         # segments trained by then, this plan's, are its history; a checkpoint loaded later replaces them.
         self._saved_segments = list(plan.segments)
         return plan
+
+    def _warn_rounding(self, step: int, block: int) -> None:
+        """Warns (once per weights and block size) when whole counts per global batch move a source's
+        share more than 5% off its probability: every batch holds the same counts, so the run's
+        share is the rounded one."""
+        probabilities = mixture_probabilities(self.weights_at(step), self.temperature)
+        counts = largest_remainder_counts(probabilities, block)
+        shares = [count / block for count in counts]
+        key = (block, counts)
+        if key in self._rounding_warned or all(
+            abs(share - p) <= ROUNDING_TOLERANCE * p for share, p in zip(shares, probabilities, strict=True)
+        ):
+            return
+        self._rounding_warned.add(key)
+        described = ", ".join(
+            f"{c.name!r} {count} ({share:.1%}, asked {p:.1%})"
+            for c, count, share, p in zip(self.components, counts, shares, probabilities, strict=True)
+        )
+        log.warning(
+            "a global batch of %d holds whole samples of each source: %s. Every global batch holds these counts, "
+            "so the run's shares are these; a larger global batch (batch_size x ranks x accumulation) rounds closer",
+            block,
+            described,
+        )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Logs, on the first micro-batch of a logged step, each source's weight and what it has given."""

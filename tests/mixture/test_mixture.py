@@ -266,3 +266,20 @@ def test_checkpoints_load_with_weights_only_and_hold_plain_state(tmp_path: Path,
     assert state["segments"] == [[0, BATCH, [5, 3, 2]], [5 * BATCH, BATCH, [0, 3, 7]]]
     (scheduler_state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("PhaseScheduler")]
     assert scheduler_state["active_phase"] == 1 and scheduler_state["step"] == 6
+
+
+def test_a_global_batch_that_rounds_a_share_far_off_its_weight_is_warned_once(
+    shard_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    # 0.7/0.2/0.1 of 10: exactly 7/2/1, no warning. 0.66/0.22/0.12 of 10: 7/2/1 gives 'a' 70%
+    # (asked 66%, 6% off) and 'c' 10% (asked 12%).
+    for weights, warned in (({"a": 0.7, "b": 0.2, "c": 0.1}, False), ({"a": 0.66, "b": 0.22, "c": 0.12}, True)):
+        caplog.clear()
+        dm = make_dm(shard_dirs, weights)
+        dm.setup("fit")
+        dm.train_dataloader()
+        dm.train_dataloader()  # a reloaded loader rebuilds the plan: still one warning
+        messages = [r.getMessage() for r in caplog.records if "global batch of 10 holds whole samples" in r.message]
+        assert len(messages) == int(warned), messages
+        if warned:
+            assert "'a' 7 (70.0%, asked 66.0%)" in messages[0] and "'c' 1 (10.0%, asked 12.0%)" in messages[0]
