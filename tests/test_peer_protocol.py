@@ -3,8 +3,8 @@ and count the memory a loader's workers add."""
 
 from __future__ import annotations
 
-import multiprocessing
-import time
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,16 +61,11 @@ def test_mixture_deviation_is_the_largest_of_any_batch(tmp_path: Path) -> None:
     assert result["source0 share"] == 55 / 80  # 6 + 5 in every two batches of 8
 
 
-def _hold(megabytes: int, seconds: float) -> None:
-    block = np.ones(megabytes * 2**20, dtype=np.uint8)  # written, so resident and private
-    time.sleep(seconds)
-    del block
-
-
 def test_peak_memory_counts_what_child_processes_add() -> None:
+    # A fresh interpreter (not a fork of this one, whose pages a fork would share and then copy),
+    # holding 200 MB it wrote, so they are resident and its own.
+    hold = "import time, numpy as np; block = np.ones(200 * 2**20, dtype=np.uint8); time.sleep(0.6)"
     with PeakMemory() as memory:
-        child = multiprocessing.get_context("fork").Process(target=_hold, args=(200, 0.6))
-        child.start()
-        child.join()
+        subprocess.run([sys.executable, "-c", hold], check=True)
     added = memory.megabytes()["added MB"]
     assert 200 <= added < 260, added

@@ -84,8 +84,8 @@ class PeakMemory:
 
     ``rss``: resident pages, file-backed ones included (a memory-mapped corpus counts as it is read,
     though the kernel can drop those pages). ``added``: anonymous and shared-memory pages over the
-    whole process tree, each shared page counted once (PSS), less this process's own at ``__enter__``
-    (the imported libraries, which the training process holds anyway): the memory the loader adds.
+    whole process tree, each shared page counted once (PSS), less the tree's at ``__enter__`` (the
+    imported libraries, which the training process holds anyway): the memory the loader adds.
     """
 
     def __init__(self) -> None:
@@ -138,7 +138,8 @@ class PeakMemory:
             self.sample()
 
     def __enter__(self) -> PeakMemory:
-        self._baseline = self._read(os.getpid())[1]
+        # Child processes already there (another loader's workers) are not this loader's.
+        self._baseline = sum(self._read(pid)[1] for pid in [os.getpid(), *self._children(os.getpid())])
         self._thread.start()
         return self
 

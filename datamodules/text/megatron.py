@@ -29,8 +29,8 @@ class MegatronIndex:
 
 def read_index(path: str | Path) -> MegatronIndex:
     """Parse ``path``; a file that is not a version-1 ``MMIDIDX`` index is refused, naming it."""
-    path = Path(path)
-    with open(path, "rb") as f:
+    path = Path(path) if isinstance(path, str) else path  # a Path, or a UPath for a URL
+    with path.open("rb") as f:
         head = f.read(len(INDEX_HEADER) + 8 + 1 + 8 + 8)
         if len(head) < 34 or head[: len(INDEX_HEADER)] != INDEX_HEADER:
             raise ValueError(f"{path} is not a Megatron MMIDIDX index (header {head[:9]!r})")
@@ -39,9 +39,9 @@ def read_index(path: str | Path) -> MegatronIndex:
             raise ValueError(f"{path}: Megatron index version {version} is not supported (only 1)")
         if code not in DTYPE_CODES:
             raise ValueError(f"{path}: unknown Megatron dtype code {code}; known: {DTYPE_CODES}")
-        lengths = np.fromfile(f, dtype="<i4", count=sequences)
-        pointers = np.fromfile(f, dtype="<i8", count=sequences)
-        document_indices = np.fromfile(f, dtype="<i8", count=documents)
+        lengths = np.frombuffer(f.read(4 * sequences), dtype="<i4")
+        pointers = np.frombuffer(f.read(8 * sequences), dtype="<i8")
+        document_indices = np.frombuffer(f.read(8 * documents), dtype="<i8")
     if len(lengths) != sequences or len(pointers) != sequences or len(document_indices) != documents:
         raise ValueError(f"{path} is truncated: it names {sequences} sequences and {documents} document indices")
     dtype = np.dtype(DTYPE_CODES[code])

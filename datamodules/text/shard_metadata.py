@@ -50,7 +50,7 @@ class ShardMetadata:
 
     @classmethod
     def read(cls, directory: Path) -> ShardMetadata:
-        path = Path(directory) / METADATA_FILE
+        path = (Path(directory) if isinstance(directory, str) else directory) / METADATA_FILE
         try:
             return cls(**json.loads(path.read_text()))
         except (TypeError, json.JSONDecodeError) as err:

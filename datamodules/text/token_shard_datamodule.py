@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
@@ -24,6 +25,8 @@ class TokenShardDataModule(PlanDataModule):
         pack_sequences: document-aware batches (``position_ids`` restart per document,
             ``document_ids``, no loss across a document boundary). Needs ``metadata.json``.
         file_pattern: glob choosing the shard files of a directory without ``metadata.json``.
+        storage_options: for URL directories (``s3://bucket/corpus``, ``gs://``, ``hf://``, ...), the
+            fsspec filesystem's options (endpoint, credentials, ``anon``); kept out of checkpoints.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
 
     Example::
@@ -46,6 +49,7 @@ class TokenShardDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             batch_size,
@@ -56,10 +60,10 @@ class TokenShardDataModule(PlanDataModule):
             prefetch_factor=prefetch_factor,
         )
         require_int("seq_len", seq_len, 1)
-        self.source = TokenShardSource(data_dir, val_dir, val_fraction, file_pattern)
+        self.source = TokenShardSource(data_dir, val_dir, val_fraction, file_pattern, storage_options)
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         data_dir, val_dir = self.source.data_dir, self.source.val_dir
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
         self.seq_len = seq_len
         self.pack_sequences = pack_sequences
 

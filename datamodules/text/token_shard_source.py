@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.token_shards import TokenShards
@@ -21,12 +22,15 @@ class TokenShardSource(SourceSpec):
             validation, with no token shared with training. Default 0: no validation.
         file_pattern: glob choosing the shard files of a directory without ``metadata.json``
             (bare ``.npy``, or Megatron ``.idx``), e.g. ``"train_*.npy"``. Default: all of them.
+        storage_options: for URL directories (``s3://bucket/corpus``), the fsspec filesystem's
+            options: ``{"endpoint_url": ..., "key": ..., "secret": ...}``, ``{"anon": True}``.
     """
 
     data_dir: str
     val_dir: str | None = None
     val_fraction: float = 0.0
     file_pattern: str | None = None
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
@@ -40,8 +44,8 @@ class TokenShardSource(SourceSpec):
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
     ) -> tuple[TokenWindows, TokenWindows | None]:
-        shards = TokenShards(self.data_dir, self.file_pattern)
-        val = None if self.val_dir is None else TokenShards(self.val_dir, self.file_pattern)
+        shards = TokenShards(self.data_dir, self.file_pattern, self.storage_options)
+        val = None if self.val_dir is None else TokenShards(self.val_dir, self.file_pattern, self.storage_options)
         return split_windows(shards, val, self.val_fraction, seq_len, pack_sequences)
 
 

@@ -4,11 +4,16 @@ Layouts, by what the directory holds: shards written by prepare (``metadata.json
 prepared parts (``part-00000/``, ...), read in part order; Megatron-LM ``.bin``/``.idx`` pairs; or
 bare ``.npy`` files (dtype from the header). A ``.bin`` without metadata or index is refused, never
 guessed, and so are signed ids without metadata.
+
+The directory may be a URL (``s3://bucket/corpus``, see ``datamodules.plan.storage``): its layout is
+read the same way, and windows are read as byte ranges, the windows of one batch in one round of
+concurrent requests, adjacent ranges of a file merged.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from datamodules.plan.storage import RangeReader, is_url, storage_path
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
@@ -27,7 +33,7 @@ PART_GLOB = "part-*"
 
 @dataclass(frozen=True)
 class _Shard:
-    path: str
+    path: Path  # a pathlib.Path, or a UPath for a URL
     num_tokens: int
     offset: int  # byte offset of the first token inside the file (the .npy header)
     dtype: str
@@ -47,27 +53,37 @@ class _Layout:
 def _npy_shard(path: Path) -> _Shard:
     """A 1-D ``.npy`` file as a shard, reading only its header."""
     try:
-        array = np.load(path, mmap_mode="r")
+        with path.open("rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, _, dtype = header(f)
+            offset = f.tell()
+        size = path.stat().st_size
     except (ValueError, OSError, EOFError) as err:
         raise ValueError(f"token shard {path} is truncated or not a .npy file ({err})") from None
-    if array.ndim != 1:
-        raise ValueError(f"token shard {path} must be 1-D, got shape {array.shape}")
-    return _Shard(str(path), int(array.shape[0]), int(array.offset), array.dtype.name)
+    if len(shape) != 1:
+        raise ValueError(f"token shard {path} must be 1-D, got shape {shape}")
+    if offset + shape[0] * dtype.itemsize > size:
+        raise ValueError(
+            f"token shard {path} is truncated or not a .npy file (its header names {shape[0]} tokens, "
+            f"its file has {size} bytes)"
+        )
+    return _Shard(path, int(shape[0]), offset, dtype.name)
 
 
 def _bin_shard(path: Path, dtype: np.dtype) -> _Shard:
     size = path.stat().st_size
     if size % dtype.itemsize:
         raise ValueError(f"shard {path} is {size} bytes, not a multiple of the {dtype} item size {dtype.itemsize}")
-    return _Shard(str(path), size // dtype.itemsize, 0, dtype.name)
+    return _Shard(path, size // dtype.itemsize, 0, dtype.name)
 
 
 def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
     # Names, sizes and both ends of every shard: cheap for thousands of files.
     h = hashlib.blake2b(digest_size=16)
     for shard in shards:
-        h.update(f"{Path(shard.path).name}:{shard.num_tokens}".encode())
-        with open(shard.path, "rb") as f:
+        h.update(f"{shard.path.name}:{shard.num_tokens}".encode())
+        with shard.path.open("rb") as f:
             h.update(f.read(4096))
             f.seek(max(0, shard.offset + shard.num_tokens * itemsize - 4096))
             h.update(f.read(4096))
@@ -98,7 +114,7 @@ def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> 
         path = directory / metadata.document_starts
         if not path.is_file():
             raise FileNotFoundError(f"{path}, named in {directory / METADATA_FILE}, is missing")
-        starts = np.load(path).astype(np.int64)
+        starts = np.load(io.BytesIO(path.read_bytes())).astype(np.int64)
     vocabulary = {"tokenizer": metadata.tokenizer, "eos_id": metadata.eos_id} if metadata.tokenizer else None
     fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize)
     return _Layout(dtype, shards, starts, fingerprint, vocabulary)
@@ -211,13 +227,25 @@ class TokenShards:
             Megatron ``.bin``/``.idx`` pairs, or bare 1-D ``.npy`` files.
         file_pattern: glob selecting the shard files (``.npy``, or Megatron ``.idx``) of a directory
             without ``metadata.json``, e.g. ``"train_*.npy"``; default: all of them.
+        storage_options: for a URL ``directory``, the fsspec filesystem's options (endpoint,
+            credentials, ``anon``).
     """
 
-    def __init__(self, directory: str | Path, file_pattern: str | None = None) -> None:
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise FileNotFoundError(f"token shard directory {str(self.directory)!r} does not exist")
-        self._set_layout(_read_layout(self.directory, file_pattern))
+    def __init__(
+        self, directory: str | Path, file_pattern: str | None = None, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        self.directory = storage_path(directory, storage_options)
+        reader = RangeReader(str(directory), storage_options) if is_url(directory) else None
+        try:
+            if not self.directory.is_dir():
+                raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
+            layout = _read_layout(self.directory, file_pattern)
+        except (OSError, ValueError) as err:
+            if reader is None or isinstance(err, FileNotFoundError | ValueError):
+                raise
+            raise OSError(f"cannot read token shards at {str(directory)!r}: {err}") from None
+        self._set_layout(layout)
+        self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
 
     def _set_layout(self, layout: _Layout) -> None:
         self.dtype = layout.dtype
@@ -246,9 +274,9 @@ class TokenShards:
         shards = cls.__new__(cls)
         shards.directory = Path(name)
         digest = hashlib.blake2b(np.ascontiguousarray(tokens).data, digest_size=16).hexdigest()
-        shard = _Shard(f"<memory:{name}>", len(tokens), 0, tokens.dtype.name)
+        shard = _Shard(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
         shards._set_layout(_Layout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
-        shards._memory = tokens
+        shards._memory, shards._readers = tokens, [None]
         return shards
 
     @classmethod
@@ -257,11 +285,17 @@ class TokenShards:
         joined = cls.__new__(cls)
         joined.directory = parts[0].directory
         joined._set_layout(_concat([p._layout for p in parts]))
+        joined._readers = [reader for part in parts for reader in part._readers]
         return joined
 
     def __getstate__(self) -> dict:
         # Memory maps are reopened lazily in each worker process instead of being pickled as arrays.
         return {**self.__dict__, "_maps": {}}
+
+    @property
+    def remote(self) -> bool:
+        """Whether the shards are read as byte ranges of a URL (not memory-mapped)."""
+        return any(reader is not None for reader in self._readers)
 
     def _map(self, i: int) -> np.ndarray:
         if self._memory is not None:
@@ -277,6 +311,9 @@ class TokenShards:
 
     def read_into(self, start: int, out: np.ndarray) -> None:
         """Copy tokens ``[start, start + len(out))`` of the stream into ``out``."""
+        if self.remote:
+            out[:] = self.read_windows(np.array([start], dtype=np.int64), out.shape[0])[0]
+            return
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         done = 0
         while done < out.shape[0]:
@@ -288,6 +325,8 @@ class TokenShards:
 
     def read_windows(self, starts: np.ndarray, width: int) -> np.ndarray:
         """Tokens ``[s, s + width)`` of the stream for each ``s`` in ``starts``, one row each."""
+        if self.remote:
+            return self._read_remote(np.asarray(starts, dtype=np.int64), width)
         out = np.empty((len(starts), width), dtype=self.dtype)
         # Shards are looked up for all rows at once, so a row inside one shard costs a single slice
         # copy; only a window that crosses into the next shard takes the general path.
@@ -298,4 +337,36 @@ class TokenShards:
                 out[row] = self._map(i)[lo : lo + width]
             else:
                 self.read_into(int(starts[row]), out[row])
+        return out
+
+    def _read_remote(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """The windows as byte ranges: one piece per (window, shard it touches), each reader's pieces
+        in one round of requests (a local shard of a joined stream is sliced from its map)."""
+        out = np.empty((len(starts), width), dtype=self.dtype)
+        by_reader: dict[int, list[tuple[int, int, int, int, int]]] = {}  # (row, column, shard, first, count)
+        for row, start in enumerate(starts.tolist()):
+            done = 0
+            i = int(np.searchsorted(self._starts, start, side="right")) - 1
+            while done < width:
+                local = start + done - int(self._starts[i])
+                take = min(width - done, self._shards[i].num_tokens - local)
+                if self._readers[i] is None:
+                    out[row, done : done + take] = self._map(i)[local : local + take]
+                else:
+                    by_reader.setdefault(id(self._readers[i]), []).append((row, done, i, local, take))
+                done += take
+                i += 1
+        for pieces in by_reader.values():
+            shards = [self._shards[i] for _, _, i, _, _ in pieces]
+            firsts = [
+                s.offset + local * np.dtype(s.dtype).itemsize
+                for s, (_, _, _, local, _) in zip(shards, pieces, strict=True)
+            ]
+            lasts = [
+                s.offset + (local + take) * np.dtype(s.dtype).itemsize
+                for s, (_, _, _, local, take) in zip(shards, pieces, strict=True)
+            ]
+            blobs = self._readers[pieces[0][2]].read([str(s.path) for s in shards], firsts, lasts)
+            for (row, column, _, _, take), shard, blob in zip(pieces, shards, blobs, strict=True):
+                out[row, column : column + take] = np.frombuffer(blob, dtype=shard.dtype)
         return out

@@ -1,0 +1,251 @@
+"""Token shards read from an S3 server on 127.0.0.1: moto's ``ThreadedMotoServer`` started here, the
+clients (s3fs, boto3) unchanged. The same batches as from the same files on disk, in every layout."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from datamodules import TokenShardDataModule
+from datamodules.text.shard_metadata import ShardMetadata
+from tests.support import make_token_shards
+from tests.text.test_token_shard_datamodule import write_megatron_pair
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+
+BUCKET = "corpora"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def options(endpoint: str) -> dict:
+    return {
+        "endpoint_url": endpoint,
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
+
+
+@pytest.fixture(scope="module")
+def layouts(endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """Local folders of each layout, and the same files uploaded under s3://corpora/<layout>."""
+    root = tmp_path_factory.mktemp("layouts")
+    prepared = make_token_shards(root / "prepared", 5_000, shard_tokens=1_300, doc_len=37)
+    npy = root / "npy"
+    npy.mkdir()
+    for i, size in enumerate((1_700, 900, 2_300)):
+        np.save(npy / f"part_{i}.npy", (np.arange(size) + 10_000 * i).astype(np.uint16))
+    parts = root / "parts"
+    for index in range(2):
+        part = make_token_shards(
+            parts / f"part-{index:05d}", 2_000, shard_tokens=700, doc_len=29, first_value=index * 5_000
+        )
+        metadata = ShardMetadata.read(part)
+        metadata.extra.update(part_index=index, num_parts=2)
+        metadata.write(part)
+    megatron = root / "megatron"
+    megatron.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        documents = [[rng.integers(0, 30_000, rng.integers(5, 60)).tolist()] for _ in range(60)]
+        write_megatron_pair(megatron / name, documents)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=BUCKET)
+    fs = s3fs.S3FileSystem(**options(endpoint))
+    found = {}
+    for folder in (prepared, npy, parts, megatron):
+        fs.put(str(folder), f"{BUCKET}/{folder.name}", recursive=True)
+        found[folder.name] = (folder, f"s3://{BUCKET}/{folder.name}")
+    return found
+
+
+def batches(dm: TokenShardDataModule, count: int) -> list[dict[str, torch.Tensor]]:
+    dm.setup("fit")
+    taken, loader = [], iter(dm.train_dataloader())
+    while len(taken) < count:
+        for batch in loader:
+            taken.append(batch)
+            if len(taken) == count:
+                break
+        loader = iter(dm.train_dataloader())  # the next epoch
+    return taken
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    ("layout", "pack"), [("prepared", False), ("prepared", True), ("npy", False), ("parts", True), ("megatron", True)]
+)
+def test_batches_from_s3_equal_the_batches_from_disk(
+    layouts: dict, endpoint: str, layout: str, pack: bool, num_workers: int
+) -> None:
+    local, url = layouts[layout]
+    kwargs = {"seq_len": 16, "batch_size": 4, "pack_sequences": pack, "num_workers": num_workers, "seed": 5}
+    expected = batches(TokenShardDataModule(str(local), **kwargs), 30)
+    remote = batches(TokenShardDataModule(url, storage_options=options(endpoint), **kwargs), 30)
+    assert len(remote) == 30
+    for want, got in zip(expected, remote, strict=True):
+        assert want.keys() == got.keys()
+        for key in want:
+            assert torch.equal(want[key], got[key]), key
+
+
+def test_a_missing_bucket_or_folder_is_one_short_error_at_setup(layouts: dict, endpoint: str) -> None:
+    for url in (f"s3://no-such-bucket/{BUCKET}", f"s3://{BUCKET}/no-such-folder"):
+        dm = TokenShardDataModule(url, seq_len=16, batch_size=4, storage_options=options(endpoint))
+        with pytest.raises(FileNotFoundError, match=f"token shard directory '{url}' does not exist"):
+            dm.setup("fit")
+
+
+def test_storage_options_are_kept_out_of_the_checkpoint(layouts: dict, endpoint: str) -> None:
+    dm = TokenShardDataModule(layouts["npy"][1], seq_len=16, batch_size=4, storage_options=options(endpoint))
+    assert "storage_options" not in dm.hparams
+    assert "testing" not in repr(dict(dm.hparams))
+
+
+class FaultyProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the S3 server that spoils ranged GETs, one fault per
+    request, in the order given (``"503"``: S3's SlowDown; ``"reset"``: the connection closed
+    without an answer; ``"truncated"``: half the body, then closed), and forwards the rest."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlparse
+
+        self.faults: list[str] = []
+        self.ranged_gets = 0
+        proxy = self
+        target = urlparse(upstream)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                fault = None
+                if self.command == "GET" and "Range" in self.headers:
+                    proxy.ranged_gets += 1
+                    fault = proxy.faults.pop(0) if proxy.faults else None
+                if fault == "503":
+                    message = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(message)))
+                    self.end_headers()
+                    self.wfile.write(message)
+                    return
+                if fault == "reset":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                upstream_connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                upstream_connection.request(self.command, self.path, body, dict(self.headers))
+                answer = upstream_connection.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if fault == "truncated":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def proxy(endpoint: str) -> Iterator[FaultyProxy]:
+    proxy = FaultyProxy(endpoint)
+    yield proxy
+    proxy.server.shutdown()
+
+
+def without_client_retries(url: str) -> dict:
+    """Options whose clients do not retry on their own, so every retry counted is ours."""
+    return {**options(url), "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 1}}}
+
+
+def our_retries_only(remote: object) -> object:
+    """s3fs retries some errors itself (a class attribute, not an option): off, so every retry counted is ours."""
+    reader = remote._readers[0]
+    reader.fs.retries = 1
+    reader.backoff = 0.01
+    return remote
+
+
+def test_a_slowdown_a_reset_and_a_truncated_body_are_retried(layouts: dict, proxy: FaultyProxy) -> None:
+    from datamodules.text.token_shards import TokenShards
+
+    local, url = layouts["npy"]
+    remote = our_retries_only(TokenShards(url, storage_options=without_client_retries(proxy.url)))
+    starts = np.array([0, 2_000, 4_000], dtype=np.int64)  # three shards: three ranged GETs
+    proxy.faults, before = ["503", "reset", "truncated"], proxy.ranged_gets
+    got = remote.read_windows(starts, 100)
+    assert np.array_equal(got, TokenShards(local).read_windows(starts, 100))
+    # Each spoiled GET was sent once more: the 503 and the short body by our retry; the reset by
+    # ours, or by the HTTP client, which re-sends a request whose kept-alive connection was closed.
+    assert proxy.faults == [] and proxy.ranged_gets - before == 6
+    assert remote._readers[0].retries in (2, 3)
+
+
+def test_a_range_that_keeps_failing_is_one_error_naming_the_object(layouts: dict, proxy: FaultyProxy) -> None:
+    from datamodules.text.token_shards import TokenShards
+
+    remote = our_retries_only(TokenShards(layouts["npy"][1], storage_options=without_client_retries(proxy.url)))
+    proxy.faults = ["503"] * 5
+    with pytest.raises(OSError, match=r"reading bytes \d+-\d+ of s3://corpora/npy/part_0.npy failed 5 times"):
+        remote.read_windows(np.array([10], dtype=np.int64), 100)
+    assert proxy.faults == []
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_mixture_of_a_local_and_a_remote_source_reads_both(layouts: dict, endpoint: str, num_workers: int) -> None:
+    from datamodules import MixtureComponent, MixtureDataModule, TokenShardSource
+
+    def mixture(remote: bool) -> MixtureDataModule:
+        prepared = TokenShardSource(layouts["prepared"][1], storage_options=options(endpoint))
+        sources = [
+            MixtureComponent("npy", 0.5, TokenShardSource(str(layouts["npy"][0]))),
+            MixtureComponent("prepared", 0.5, prepared if remote else TokenShardSource(str(layouts["prepared"][0]))),
+        ]
+        return MixtureDataModule(sources, seq_len=16, batch_size=4, num_workers=num_workers, seed=2)
+
+    for want, got in zip(batches(mixture(False), 30), batches(mixture(True), 30), strict=True):
+        assert all(torch.equal(want[key], got[key]) for key in want)
