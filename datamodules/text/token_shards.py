@@ -240,6 +240,8 @@ class TokenShards:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
             layout = _read_layout(self.directory, file_pattern)
+        except ImportError as err:  # the URL's fsspec filesystem is not installed (gcsfs, ...)
+            raise ImportError(f"cannot read token shards at {str(directory)!r}: {err}") from None
         except (OSError, ValueError) as err:
             if reader is None or isinstance(err, FileNotFoundError | ValueError):
                 raise

@@ -122,6 +122,18 @@ def test_a_missing_bucket_or_folder_is_one_short_error_at_setup(layouts: dict, e
             dm.setup("fit")
 
 
+def test_storage_options_for_a_local_path_or_a_filesystem_not_installed_are_one_line(tmp_path: Path) -> None:
+    dm = TokenShardDataModule(str(tmp_path), seq_len=16, batch_size=4, storage_options={"anon": True})
+    with pytest.raises(ValueError, match="storage_options are for URLs .* is a local path"):
+        dm.setup("fit")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        dm = TokenShardDataModule("gs://bucket/corpus", seq_len=16, batch_size=4)
+        with pytest.raises(ImportError, match="cannot read token shards at 'gs://bucket/corpus': .*gcsfs"):
+            dm.setup("fit")
+
+
 def test_storage_options_are_kept_out_of_the_checkpoint(layouts: dict, endpoint: str) -> None:
     dm = TokenShardDataModule(layouts["npy"][1], seq_len=16, batch_size=4, storage_options=options(endpoint))
     assert "storage_options" not in dm.hparams
