@@ -153,6 +153,7 @@ class FaultyProxy:
 
         self.faults: list[str] = []
         self.ranged_gets = 0
+        self.requests: list[tuple[str, str]] = []  # (object path, Range header) of every ranged GET
         proxy = self
         target = urlparse(upstream)
 
@@ -165,6 +166,7 @@ class FaultyProxy:
                 fault = None
                 if self.command == "GET" and "Range" in self.headers:
                     proxy.ranged_gets += 1
+                    proxy.requests.append((self.path.split("?")[0], self.headers["Range"]))
                     fault = proxy.faults.pop(0) if proxy.faults else None
                 if fault == "503":
                     message = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
@@ -261,3 +263,34 @@ def test_a_mixture_of_a_local_and_a_remote_source_reads_both(layouts: dict, endp
 
     for want, got in zip(batches(mixture(False), 30), batches(mixture(True), 30), strict=True):
         assert all(torch.equal(want[key], got[key]) for key in want)
+
+
+def test_a_resumed_run_fetches_only_the_windows_it_trains_next(layouts: dict, proxy: FaultyProxy) -> None:
+    from datamodules.text.token_shards import TokenShards
+
+    local, url = layouts["npy"]
+    seq_len, batch = 16, 4
+    dm = TokenShardDataModule(url, seq_len=seq_len, batch_size=batch, seed=5, storage_options=options(proxy.url))
+    dm.setup("fit")
+    resume_at = 40 * batch  # a checkpoint at step 40
+    dm.load_state_dict({**dm.state_dict(), "positions_consumed": resume_at})
+    proxy.requests.clear()
+    batches = iter(dm.train_dataloader())
+    for _ in range(5):
+        next(batches)
+    # The tokens fetched, from the logged ranges.
+    shards = TokenShards(local)
+    fetched = np.zeros(shards.num_tokens, dtype=bool)
+    for path, header in proxy.requests:
+        i = next(i for i, shard in enumerate(shards._shards) if path.endswith("/" + shard.path.name))
+        first, last = (int(x) for x in header.removeprefix("bytes=").split("-"))
+        shard = shards._shards[i]
+        lo = int(shards._starts[i]) + (first - shard.offset) // 2
+        fetched[lo : lo + (last + 1 - first) // 2] = True
+    # What the plan puts at the resumed position and after, in the group read at once (16 steps).
+    _, windows = dm.plan.locate(np.arange(resume_at, resume_at + 16 * batch))
+    planned = np.zeros_like(fetched)
+    for window in windows.tolist():
+        planned[window * seq_len : window * seq_len + seq_len + 1] = True
+    assert fetched.any() and not (fetched & ~planned).any()
+    assert all(fetched[w * seq_len : w * seq_len + seq_len + 1].all() for w in windows.tolist())
