@@ -294,3 +294,30 @@ def test_a_resumed_run_fetches_only_the_windows_it_trains_next(layouts: dict, pr
         planned[window * seq_len : window * seq_len + seq_len + 1] = True
     assert fetched.any() and not (fetched & ~planned).any()
     assert all(fetched[w * seq_len : w * seq_len + seq_len + 1].all() for w in windows.tolist())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_run_on_s3_stopped_and_resumed_through_trainer_fit_trains_the_uninterrupted_batches(
+    tmp_path: Path, layouts: dict, endpoint: str, num_workers: int
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.support import RecordingModel, quiet_trainer
+
+    def fit(max_steps: int, checkpoint_every: int = 0, resume: Path | None = None) -> list[dict]:
+        dm = TokenShardDataModule(
+            layouts["prepared"][1], seq_len=16, batch_size=4, pack_sequences=True, num_workers=num_workers,
+            storage_options=options(endpoint),
+        )  # fmt: skip
+        callbacks = [ModelCheckpoint(tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1)]
+        model = RecordingModel()
+        quiet_trainer(max_steps=max_steps, callbacks=callbacks if checkpoint_every else []).fit(
+            model, datamodule=dm, ckpt_path=resume
+        )
+        return model.records
+
+    whole = fit(90)  # 78 steps an epoch: the resumed run crosses into the second
+    first = [r for r in fit(40, checkpoint_every=38) if r["step"] < 38]  # killed two steps after the checkpoint
+    (checkpoint,) = tmp_path.glob("*-step=38.ckpt")
+    resumed = first + fit(90, resume=checkpoint)
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in whole]
