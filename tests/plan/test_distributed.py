@@ -48,9 +48,11 @@ def train(
     workers: int = 0,
     every_n_steps: int | None = None,
     resume: Path | None = None,
+    storage_options: dict | None = None,
 ) -> Run:
     """Fit ``RecordingModel`` with every data-loading flag of the Trainer at its default."""
-    args = ["--data", str(shards), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--workers", str(workers)]
+    args = ["--storage-options", json.dumps(storage_options)] if storage_options else []
+    args += ["--data", str(shards), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--workers", str(workers)]
     args += ["--devices", str(devices), "--strategy", strategy]
     if max_steps is not None:
         args += ["--max-steps", str(max_steps)]

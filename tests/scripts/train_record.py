@@ -113,7 +113,8 @@ def mixture_components(spec: str) -> list[MixtureComponent]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     data = parser.add_mutually_exclusive_group(required=True)
-    data.add_argument("--data", help="token shard directory (TokenShardDataModule)")
+    data.add_argument("--data", help="token shard directory or URL (TokenShardDataModule)")
+    parser.add_argument("--storage-options", type=json.loads, help="JSON: storage_options of a --data URL")
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             **loading,
         )
     else:
-        datamodule = TokenShardDataModule(args.data, **loading)
+        datamodule = TokenShardDataModule(args.data, storage_options=args.storage_options, **loading)
     probe = LoaderProbe(datamodule)
     callbacks: list[Callback] = [probe]
     if args.info:

@@ -321,3 +321,29 @@ def test_a_run_on_s3_stopped_and_resumed_through_trainer_fit_trains_the_uninterr
     (checkpoint,) = tmp_path.glob("*-step=38.ckpt")
     resumed = first + fit(90, resume=checkpoint)
     assert [r["digest"] for r in resumed] == [r["digest"] for r in whole]
+
+
+def test_a_2_rank_ddp_checkpoint_on_s3_resumes_on_1_rank_consuming_every_position_once(
+    tmp_path: Path,
+    layouts: dict,
+    endpoint: str,  # layouts: the bucket exists
+) -> None:
+    from tests.distributed_support import assert_positions_consumed_once
+    from tests.plan.test_distributed import BATCH, SEQ_LEN, WINDOWS, consumed, train
+
+    local = make_token_shards(tmp_path / "elastic", WINDOWS * SEQ_LEN + 1, shard_tokens=97)
+    s3fs.S3FileSystem(**options(endpoint)).put(str(local), f"{BUCKET}/elastic", recursive=True)
+    url, storage = f"s3://{BUCKET}/elastic", options(endpoint)
+    # Two DDP processes read the server; a checkpoint at step 3, "killed" two steps later.
+    stopped = train(
+        url, tmp_path / "ddp", devices=2, strategy="ddp", max_steps=5, every_n_steps=3, storage_options=storage
+    )
+    resumed = train(
+        url, tmp_path / "one", devices=1, max_epochs=1, resume=stopped.checkpoint(3), storage_options=storage
+    )
+    before = consumed(stopped, dp_size=2, before_step=3)
+    after = consumed(resumed, dp_size=1, first_step=3, first_position=3 * 2 * BATCH)
+    plan = TokenShardDataModule(str(local), seq_len=SEQ_LEN, batch_size=BATCH)
+    plan.setup("fit")
+    plan.train_dataloader()
+    assert_positions_consumed_once([before, after], WINDOWS, lambda n: plan.plan.locate(np.arange(n))[1].tolist())
