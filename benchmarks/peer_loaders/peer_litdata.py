@@ -25,7 +25,7 @@ import torch
 from litdata import CombinedStreamingDataset, StreamingDataLoader, StreamingDataset, TokensLoader, optimize
 from litdata.streaming.dataset import _replay_chunks_sampling, _replay_sampling
 
-from benchmarks.peer_loaders.protocol import Setup
+from benchmarks.peer_loaders.protocol import LoaderContender, Setup
 
 BLOCKS_PER_CHUNK = 8012  # samples of seq_len + 1 tokens per chunk: the README's TokensLoader recipe
 
@@ -69,7 +69,7 @@ def _dataset(data: Path, setup: Setup) -> StreamingDataset:
     )
 
 
-class Contender:
+class Contender(LoaderContender):
     def __init__(self, setup: Setup, state: Any | None) -> None:
         data = Path(setup.data)
         self.sources: list[StreamingDataset] = []
@@ -89,21 +89,6 @@ class Contender:
         self.loader = StreamingDataLoader(dataset, batch_size=setup.batch_size, num_workers=setup.workers)
         if state is not None:
             self.loader.load_state_dict(state)
-        self._epoch: Iterator[Any] | None = None
-
-    def batches(self) -> Iterator[torch.Tensor]:
-        while True:  # a new pass of the loader is litdata's next epoch
-            self._epoch = iter(self.loader)
-            yield from self._epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def close(self) -> None:
-        # Closing the loader's generator drops torch's iterator, whose __del__ joins the workers.
-        if self._epoch is not None:
-            self._epoch.close()  # type: ignore[attr-defined]
-            self._epoch = None
 
 
 def _worker_items(dataset: StreamingDataset, workers: int, batch_size: int, epoch: int) -> list[list[Any]]:

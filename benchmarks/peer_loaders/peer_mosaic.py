@@ -31,19 +31,17 @@ from __future__ import annotations
 import os
 import re
 import tempfile
-from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from streaming import MDSWriter, Stream, StreamingDataLoader, StreamingDataset
 from streaming.base.batching import generate_work
 from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
 from streaming.base.util import clean_stale_shared_memory
 from streaming.base.world import World
 
-from benchmarks.peer_loaders.protocol import Setup
+from benchmarks.peer_loaders.protocol import LoaderContender, Setup
 
 COLUMN = "tokens"
 SIZE_LIMIT = 1 << 26  # Mosaic's default shard size, 64 MiB: 16,344 windows of 2,049 uint16 tokens
@@ -110,26 +108,15 @@ def _release(dataset: _TokenWindows) -> None:
             pass
 
 
-class Contender:
+class Contender(LoaderContender):
     def __init__(self, setup: Setup, state: Any | None) -> None:
         self.dataset = _dataset(setup)
         self.loader = StreamingDataLoader(self.dataset, batch_size=setup.batch_size, num_workers=setup.workers)
         if state is not None:
             self.loader.load_state_dict(state)
-        self._epoch: Generator[torch.Tensor, None, None] | None = None
-
-    def batches(self) -> Iterator[torch.Tensor]:
-        while True:  # one pass of the loader is one of Mosaic's epochs; the next one starts where it ends
-            self._epoch = iter(self.loader)
-            yield from self._epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
 
     def close(self) -> None:
-        if self._epoch is not None:
-            self._epoch.close()  # drops the DataLoader iterator, which shuts its worker processes down
-            self._epoch = None
+        super().close()
         _release(self.dataset)
 
 

@@ -7,7 +7,6 @@ mixture of datasets.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,14 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from benchmarks.peer_loaders.peer_plain import windows
-from benchmarks.peer_loaders.protocol import Setup
+from benchmarks.peer_loaders.protocol import LoaderContender, Setup
 
 
 def convert(corpus: Path, out: Path, seq_len: int) -> None:
     """Nothing to convert: the dataset reads the ``.npy`` shards."""
 
 
-class Contender:
+class Contender(LoaderContender):
     def __init__(self, setup: Setup, state: dict[str, Any] | None) -> None:
         self.loader = StatefulDataLoader(
             windows(setup),
@@ -35,16 +34,6 @@ class Contender:
         )
         if state is not None:
             self.loader.load_state_dict(state)
-
-    def batches(self) -> Iterator[torch.Tensor]:
-        while True:
-            yield from self.loader
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
-
-    def close(self) -> None:
-        self.loader = None
 
 
 def state_at(setup: Setup, step: int) -> tuple[dict[str, Any], str]:

@@ -36,6 +36,7 @@ import pickle
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,27 @@ class Setup:
     mixture: bool = False
     weights: list[float] = field(default_factory=lambda: [0.7, 0.3])
     seed: int = 0
+
+
+class LoaderContender:
+    """A contender around one loader (``self.loader``) that resumes through its own ``state_dict``;
+    one pass of the loader is an epoch, the next pass the next one."""
+
+    loader: Any
+    _epoch: Any = None
+
+    def batches(self) -> Iterator[Any]:
+        while True:
+            self._epoch = iter(self.loader)
+            yield from self._epoch
+
+    def state_dict(self) -> Any:
+        return self.loader.state_dict()
+
+    def close(self) -> None:
+        if self._epoch is not None and hasattr(self._epoch, "close"):
+            self._epoch.close()  # the loader's generator: dropping torch's iterator joins its workers
+        self._epoch = self.loader = None  # and the loader, which holds persistent workers
 
 
 def as_rows(batch: Any) -> np.ndarray:
