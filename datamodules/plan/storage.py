@@ -29,7 +29,7 @@ LOCAL_PROTOCOLS = ("", "file", "local")
 
 def is_url(location: str | os.PathLike) -> bool:
     """Whether ``location`` names a remote filesystem (``file://`` and plain paths are local)."""
-    text = os.fspath(location) if not isinstance(location, str) else location
+    text = os.fspath(location)
     return "://" in text and urlparse(text).scheme not in LOCAL_PROTOCOLS
 
 
@@ -48,6 +48,19 @@ def storage_path(location: str | os.PathLike, storage_options: dict[str, Any] | 
     except (ImportError, ValueError) as err:
         scheme = urlparse(str(location)).scheme
         raise ValueError(f"cannot read {location!r}: {err}. Is the fsspec package for {scheme}:// installed?") from None
+
+
+def read_range(path: Path, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a local or remote file (fewer past its end). For a URL, one ranged
+    request: ``open()`` would read ahead a whole block (50 MB for s3fs) to serve a small read."""
+    if start >= end:
+        return b""
+    fs = getattr(path, "fs", None)  # a UPath's filesystem; a pathlib.Path has none
+    if fs is None:
+        with path.open("rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    return fs.cat_file(path.path, start=start, end=end)
 
 
 class RangeReader:

@@ -15,19 +15,22 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from datamodules.plan.storage import RangeReader, is_url, storage_path
+from datamodules.plan.storage import RangeReader, is_url, read_range, storage_path
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
 log = logging.getLogger(__name__)
 
 SHARD_SUFFIXES = (".npy", ".bin")
+# Bytes read for a .npy header: numpy refuses headers over 10,000 bytes unless told otherwise.
+_NPY_HEAD = 16_384
 PART_GLOB = "part-*"
 
 
@@ -53,12 +56,12 @@ class _Layout:
 def _npy_shard(path: Path) -> _Shard:
     """A 1-D ``.npy`` file as a shard, reading only its header."""
     try:
-        with path.open("rb") as f:
-            version = np.lib.format.read_magic(f)
-            header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, _, dtype = header(f)
-            offset = f.tell()
         size = path.stat().st_size
+        f = io.BytesIO(read_range(path, 0, min(size, _NPY_HEAD)))
+        version = np.lib.format.read_magic(f)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = header(f)
+        offset = f.tell()
     except (ValueError, OSError, EOFError) as err:
         raise ValueError(f"token shard {path} is truncated or not a .npy file ({err})") from None
     if len(shape) != 1:
@@ -83,10 +86,9 @@ def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
     h = hashlib.blake2b(digest_size=16)
     for shard in shards:
         h.update(f"{shard.path.name}:{shard.num_tokens}".encode())
-        with shard.path.open("rb") as f:
-            h.update(f.read(4096))
-            f.seek(max(0, shard.offset + shard.num_tokens * itemsize - 4096))
-            h.update(f.read(4096))
+        end = shard.offset + shard.num_tokens * itemsize
+        h.update(read_range(shard.path, 0, 4096))
+        h.update(read_range(shard.path, max(0, end - 4096), max(0, end - 4096) + 4096))
     return h.hexdigest()
 
 
@@ -316,12 +318,18 @@ class TokenShards:
         if self.remote:
             out[:] = self.read_windows(np.array([start], dtype=np.int64), out.shape[0])[0]
             return
+        for i, local, column, take in self._pieces(start, out.shape[0]):
+            out[column : column + take] = self._map(i)[local : local + take]
+
+    def _pieces(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
+        """Tokens ``[start, start + count)`` of the stream shard by shard: ``(shard, first token in
+        it, offset in the span, tokens)``."""
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         done = 0
-        while done < out.shape[0]:
+        while done < count:
             local = start + done - int(self._starts[i])
-            take = min(out.shape[0] - done, self._shards[i].num_tokens - local)
-            out[done : done + take] = self._map(i)[local : local + take]
+            take = min(count - done, self._shards[i].num_tokens - local)
+            yield i, local, done, take
             done += take
             i += 1
 
@@ -345,30 +353,21 @@ class TokenShards:
         """The windows as byte ranges: one piece per (window, shard it touches), each reader's pieces
         in one round of requests (a local shard of a joined stream is sliced from its map)."""
         out = np.empty((len(starts), width), dtype=self.dtype)
-        by_reader: dict[int, list[tuple[int, int, int, int, int]]] = {}  # (row, column, shard, first, count)
+        by_reader: dict[RangeReader, list[tuple[int, int, int, int, int]]] = {}  # (row, column, shard, first, count)
         for row, start in enumerate(starts.tolist()):
-            done = 0
-            i = int(np.searchsorted(self._starts, start, side="right")) - 1
-            while done < width:
-                local = start + done - int(self._starts[i])
-                take = min(width - done, self._shards[i].num_tokens - local)
+            for i, local, column, take in self._pieces(start, width):
                 if self._readers[i] is None:
-                    out[row, done : done + take] = self._map(i)[local : local + take]
+                    out[row, column : column + take] = self._map(i)[local : local + take]
                 else:
-                    by_reader.setdefault(id(self._readers[i]), []).append((row, done, i, local, take))
-                done += take
-                i += 1
-        for pieces in by_reader.values():
-            shards = [self._shards[i] for _, _, i, _, _ in pieces]
-            firsts = [
-                s.offset + local * np.dtype(s.dtype).itemsize
-                for s, (_, _, _, local, _) in zip(shards, pieces, strict=True)
-            ]
-            lasts = [
-                s.offset + (local + take) * np.dtype(s.dtype).itemsize
-                for s, (_, _, _, local, take) in zip(shards, pieces, strict=True)
-            ]
-            blobs = self._readers[pieces[0][2]].read([str(s.path) for s in shards], firsts, lasts)
-            for (row, column, _, _, take), shard, blob in zip(pieces, shards, blobs, strict=True):
-                out[row, column : column + take] = np.frombuffer(blob, dtype=shard.dtype)
+                    by_reader.setdefault(self._readers[i], []).append((row, column, i, local, take))
+        for reader, pieces in by_reader.items():
+            paths, firsts, ends = [], [], []
+            for _, _, i, local, take in pieces:
+                shard, itemsize = self._shards[i], np.dtype(self._shards[i].dtype).itemsize
+                paths.append(str(shard.path))
+                firsts.append(shard.offset + local * itemsize)
+                ends.append(shard.offset + (local + take) * itemsize)
+            blobs = reader.read(paths, firsts, ends)
+            for (row, column, i, _, take), blob in zip(pieces, blobs, strict=True):
+                out[row, column : column + take] = np.frombuffer(blob, dtype=self._shards[i].dtype)
         return out

@@ -347,3 +347,25 @@ def test_a_2_rank_ddp_checkpoint_on_s3_resumes_on_1_rank_consuming_every_positio
     plan.setup("fit")
     plan.train_dataloader()
     assert_positions_consumed_once([before, after], WINDOWS, lambda n: plan.plan.locate(np.arange(n))[1].tolist())
+
+
+def test_setup_reads_headers_and_fingerprints_by_small_ranges(
+    tmp_path: Path, layouts: dict, endpoint: str, proxy: FaultyProxy
+) -> None:
+    """Headers (.npy) and the fingerprint's first and last 4 KB are ranged requests of their own size,
+    not a file opened with read-ahead (s3fs would fetch up to a 50 MB block for each)."""
+    from datamodules.text.token_shards import TokenShards
+
+    local = tmp_path / "large"
+    local.mkdir()
+    for i in range(2):
+        np.save(local / f"part_{i}.npy", np.arange(200_000, dtype=np.uint16))  # 400 KB each
+    s3fs.S3FileSystem(**options(endpoint)).put(str(local), f"{BUCKET}/large", recursive=True)
+    proxy.requests.clear()
+    shards = TokenShards(f"s3://{BUCKET}/large", storage_options=options(proxy.url))
+    lengths = []
+    for _, header in proxy.requests:
+        first, last = (int(x) for x in header.removeprefix("bytes=").split("-"))
+        lengths.append(last + 1 - first)
+    assert lengths and max(lengths) <= 16_384, lengths
+    assert shards.fingerprint == TokenShards(local).fingerprint
