@@ -229,7 +229,7 @@ class MixtureDataModule(PlanDataModule):
         share more than 5% off its probability: every batch holds the same counts, so the run's
         share is the rounded one."""
         probabilities = mixture_probabilities(self.weights_at(step), self.temperature)
-        counts = largest_remainder_counts(probabilities, block)
+        counts = self.counts_at(step, block)
         shares = [count / block for count in counts]
         key = (block, counts)
         if key in self._rounding_warned or all(

@@ -6,6 +6,8 @@ next-token labels. Workers return compact raw arrays; tensors are built in the m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -112,7 +114,7 @@ class TokenWindows:
         return raw
 
     @property
-    def fetch_many(self):  # noqa: ANN201 (a method only where reads are remote)
+    def fetch_many(self) -> Callable[[list[tuple[np.ndarray, dict]]], list[dict[str, np.ndarray]]]:
         """For shards behind a URL: the windows of a whole group of micro-batches (a worker message,
         or a group of spans in-process: 16 steps of the plan) in one round of concurrent range
         requests, so a batch does not wait for its own round trip. Local shards have no
