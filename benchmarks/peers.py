@@ -46,6 +46,7 @@ class Contender:
     module: str  # benchmarks/peer_loaders/<module>.py
     mixture: bool = False
     ours: bool = False
+    converts: bool = False  # writes the corpus in its own format first; the others read the .npy shards
 
     @property
     def peer(self) -> bool:
@@ -55,10 +56,10 @@ class Contender:
 CONTENDERS = [
     Contender("ours: TokenShardDataModule", "ours", ours=True),
     Contender("ours: MixtureDataModule 70/30", "ours", mixture=True, ours=True),
-    Contender("litdata: StreamingDataset", "peer_litdata"),
-    Contender("litdata: CombinedStreamingDataset 70/30", "peer_litdata", mixture=True),
-    Contender("Mosaic streaming: StreamingDataset", "peer_mosaic"),
-    Contender("Mosaic streaming: 2 Streams 70/30", "peer_mosaic", mixture=True),
+    Contender("litdata: StreamingDataset", "peer_litdata", converts=True),
+    Contender("litdata: CombinedStreamingDataset 70/30", "peer_litdata", mixture=True, converts=True),
+    Contender("Mosaic streaming: StreamingDataset", "peer_mosaic", converts=True),
+    Contender("Mosaic streaming: 2 Streams 70/30", "peer_mosaic", mixture=True, converts=True),
     Contender("torchdata: StatefulDataLoader", "peer_torchdata"),
     Contender("plain DataLoader (hand-rolled skip to resume)", "peer_plain"),
     Contender("raw floor: np.memmap windows", "floor"),
@@ -175,7 +176,7 @@ def main() -> None:
         present = [c for c in CONTENDERS if pythons[c.module] is not None]
         converted: dict[str, Any] = {}
         for c in present:
-            if c.module in converted:
+            if not c.converts or c.module in converted:
                 continue
             marker = Path(setup(c, 0).data) / "converted.json"
             if marker.exists():
@@ -187,7 +188,7 @@ def main() -> None:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(json.dumps(result))
             converted[c.module] = result
-        present = [c for c in present if "error" not in converted[c.module]]
+        present = [c for c in present if "error" not in converted.get(c.module, {})]
 
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
         resumes: dict[str, list[dict[str, Any]]] = {}
@@ -197,7 +198,8 @@ def main() -> None:
                 for c in order:
                     if c.module == "floor" and workers:
                         continue
-                    result = task(pythons[c.module], c.module, setup(c, workers), 600, **_run_fields(args))
+                    fields = {"task": "run", "warmup": args.warmup, "seconds": args.seconds}
+                    result = task(pythons[c.module], c.module, setup(c, workers), 600, **fields)
                     runs.setdefault((c.label, workers), []).append(result)
                     print(f"round {r + 1} workers={workers} {c.label}: {_brief(result)}", flush=True)
             for c in order:
@@ -250,43 +252,36 @@ def main() -> None:
                 }
             )
 
-    def tokens(label_prefix: str, workers: int, mixture: bool) -> dict[str, float | None]:
-        return {
-            r["loader"]: r["M tokens/s"]
-            for r in rows
-            if r["num_workers"] == workers
-            and r["loader"].startswith(label_prefix)
-            and ("70/30" in r["loader"]) == mixture
-        }
-
+    speed = {(r["loader"], r["num_workers"]): r["M tokens/s"] for r in rows}
+    ours_labels = {c.label for c in CONTENDERS if c.ours}
+    peer_labels = {c.label for c in CONTENDERS if c.peer}
     checks: dict[str, bool] = {}
     for workers, goal in ((0, 1.5), (2, 2.0)):
         if workers not in args.workers:
             continue
-        for mixture in (False, True):
-            ours = next(iter(tokens("ours", workers, mixture).values()), None)
-            for c in CONTENDERS:
-                if c.peer and c.mixture == mixture:
-                    peer = tokens(c.label, workers, mixture).get(c.label)
-                    if peer:
-                        x = ratio(ours, peer)
-                        checks[
-                            f"{c.label.split(':')[0]} {'mixture ' if mixture else ''}num_workers={workers}: "
-                            f"ours {x:.2f}x (goal >= {goal}x)"
-                        ] = x is not None and x >= goal
-    ours_resume = {r["loader"]: r["resume s"] for r in resume_rows if r["loader"].startswith("ours")}
-    for label, seconds in ours_resume.items():
-        checks[f"{label}: first batch after resuming at step {args.resume_step:,} in {seconds:.3f} s (< 1 s)"] = (
-            seconds is not None and seconds < 1.0
-        )
-    ours_exact = [r for r in rows if r["loader"].startswith("ours") and r.get("exact resume")]
+        for c in CONTENDERS:
+            peer = speed.get((c.label, workers))
+            if c.peer and peer:
+                ours = next(o for o in CONTENDERS if o.ours and o.mixture == c.mixture)
+                x = ratio(speed.get((ours.label, workers)), peer)
+                checks[
+                    f"{c.label.split(':')[0]} {'mixture ' if c.mixture else ''}num_workers={workers}: "
+                    f"ours {x:.2f}x (goal >= {goal}x)"
+                ] = x is not None and x >= goal
+    for r in resume_rows:
+        if r["loader"] in ours_labels:
+            seconds = r["resume s"]
+            checks[
+                f"{r['loader']}: first batch after resuming at step {args.resume_step:,} in {seconds:.3f} s (< 1 s)"
+            ] = seconds is not None and seconds < 1.0
+    ours_exact = [r for r in rows if r["loader"] in ours_labels and r.get("exact resume")]
     checks["ours: exact resume at every num_workers, single source and mixture"] = bool(ours_exact) and all(
         r["exact resume"] == "yes" for r in ours_exact
     )
     for workers in args.workers:
         measured = [r for r in rows if r["num_workers"] == workers and r.get("added MB") is not None]
-        ours_mem = [r["added MB"] for r in measured if r["loader"].startswith("ours")]
-        peer_mem = [r["added MB"] for r in measured if any(r["loader"] == c.label and c.peer for c in CONTENDERS)]
+        ours_mem = [r["added MB"] for r in measured if r["loader"] in ours_labels]
+        peer_mem = [r["added MB"] for r in measured if r["loader"] in peer_labels]
         if ours_mem and peer_mem:
             checks[
                 f"num_workers={workers}: memory the loader adds, ours {max(ours_mem):.1f} MB <= every peer's "
@@ -345,10 +340,6 @@ def main() -> None:
         print(f"chart written to {results_dir / 'peers.png'}")
     except ImportError:
         print("no chart: matplotlib is not installed (pip install -e '.[bench]')")
-
-
-def _run_fields(args: argparse.Namespace) -> dict[str, Any]:
-    return {"task": "run", "warmup": args.warmup, "seconds": args.seconds}
 
 
 def _brief(result: dict[str, Any]) -> str:

@@ -217,29 +217,37 @@ def take(contender: Any, count: int) -> list[Any]:
     return [as_rows(next(batches)).copy() for _ in range(count)]
 
 
+def stop_and_resume(module: Any, setup: Setup, steps: int, stop: int) -> tuple[list[str], list[str]]:
+    """Digests of ``steps`` batches uninterrupted, and of ``stop`` batches, the peer's state (through
+    a pickle, as a checkpoint file keeps it), and a new loader resumed from it up to ``steps``."""
+    contender = module.Contender(setup, None)
+    whole = [digest(b) for b in take(contender, steps)]
+    contender.close()
+    contender = module.Contender(setup, None)
+    try:
+        take(contender, stop)
+        state = pickle.loads(pickle.dumps(contender.state_dict()))
+    finally:
+        contender.close()
+    contender = module.Contender(setup, state)
+    resumed = whole[:stop] + [digest(b) for b in take(contender, steps - stop)]
+    contender.close()
+    return whole, resumed
+
+
 def exact(module: Any, setup: Setup, steps: int, stop: int, mixture_batches: int = 200) -> dict[str, Any]:
     """Whether the batches after a stop at ``stop`` and a resume equal those of an uninterrupted run
-    of ``steps`` batches. With a mixture, over ``mixture_batches`` batches: the largest deviation of a
+    of ``steps`` batches (``module.exact_resume`` where the module has its own way, else
+    ``stop_and_resume``). With a mixture, over ``mixture_batches`` batches: the largest deviation of a
     batch from the weights, in samples, and the share of source0 in all of them."""
-    if hasattr(module, "exact_resume"):
-        whole, resumed = module.exact_resume(setup, steps, stop)
+    try:
+        if hasattr(module, "exact_resume"):
+            whole, resumed = module.exact_resume(setup, steps, stop)
+        else:
+            whole, resumed = stop_and_resume(module, setup, steps, stop)
+    except Unsupported as e:
+        result: dict[str, Any] = {"exact resume": f"no: {e}"}
     else:
-        contender = module.Contender(setup, None)
-        whole = [digest(b) for b in take(contender, steps)]
-        contender.close()
-        contender = module.Contender(setup, None)
-        take(contender, stop)
-        try:
-            state = pickle.loads(pickle.dumps(contender.state_dict()))  # what a checkpoint file keeps
-        except Unsupported as e:
-            whole = resumed = None
-            result: dict[str, Any] = {"exact resume": f"no: {e}"}
-        contender.close()
-        if whole is not None:
-            contender = module.Contender(setup, state)
-            resumed = whole[:stop] + [digest(b) for b in take(contender, steps - stop)]
-            contender.close()
-    if whole is not None:
         mismatched = [i for i, (a, b) in enumerate(zip(whole, resumed, strict=True)) if a != b]
         differ = f"no: {len(mismatched)} of {steps - stop} batches after the resume differ"
         result = {"exact resume": differ if mismatched else "yes"}
