@@ -3,7 +3,6 @@ clients (s3fs, boto3) unchanged. The same batches as from the same files on disk
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,40 +10,25 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.object_store.server import S3Proxy, create_bucket, s3_server, storage_options
 from datamodules import TokenShardDataModule
 from datamodules.text.shard_metadata import ShardMetadata
 from tests.support import make_token_shards
 from tests.text.test_token_shard_datamodule import write_megatron_pair
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
 
 BUCKET = "corpora"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with s3_server() as url:
+        yield url
 
 
-def options(endpoint: str) -> dict:
-    return {
-        "endpoint_url": endpoint,
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"region_name": "us-east-1"},
-    }
+options = storage_options
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +54,7 @@ def layouts(endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     for name in ("a", "b"):
         documents = [[rng.integers(0, 30_000, rng.integers(5, 60)).tolist()] for _ in range(60)]
         write_megatron_pair(megatron / name, documents)
-    boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket=BUCKET)
+    create_bucket(endpoint, BUCKET)
     fs = s3fs.S3FileSystem(**options(endpoint))
     found = {}
     for folder in (prepared, npy, parts, megatron):
@@ -140,75 +118,11 @@ def test_storage_options_are_kept_out_of_the_checkpoint(layouts: dict, endpoint:
     assert "testing" not in repr(dict(dm.hparams))
 
 
-class FaultyProxy:
-    """An HTTP proxy on 127.0.0.1 in front of the S3 server that spoils ranged GETs, one fault per
-    request, in the order given (``"503"``: S3's SlowDown; ``"reset"``: the connection closed
-    without an answer; ``"truncated"``: half the body, then closed), and forwards the rest."""
-
-    def __init__(self, upstream: str) -> None:
-        import http.client
-        import http.server
-        import threading
-        from urllib.parse import urlparse
-
-        self.faults: list[str] = []
-        self.ranged_gets = 0
-        self.requests: list[tuple[str, str]] = []  # (object path, Range header) of every ranged GET
-        proxy = self
-        target = urlparse(upstream)
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _forward(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
-                fault = None
-                if self.command == "GET" and "Range" in self.headers:
-                    proxy.ranged_gets += 1
-                    proxy.requests.append((self.path.split("?")[0], self.headers["Range"]))
-                    fault = proxy.faults.pop(0) if proxy.faults else None
-                if fault == "503":
-                    message = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(message)))
-                    self.end_headers()
-                    self.wfile.write(message)
-                    return
-                if fault == "reset":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                upstream_connection = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                upstream_connection.request(self.command, self.path, body, dict(self.headers))
-                answer = upstream_connection.getresponse()
-                data = answer.read()
-                self.send_response(answer.status)
-                for key, value in answer.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if fault == "truncated":
-                    self.wfile.write(data[: len(data) // 2])
-                    self.wfile.flush()
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                self.wfile.write(data)
-
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
-def proxy(endpoint: str) -> Iterator[FaultyProxy]:
-    proxy = FaultyProxy(endpoint)
+def proxy(endpoint: str) -> Iterator[S3Proxy]:
+    proxy = S3Proxy(endpoint)
     yield proxy
-    proxy.server.shutdown()
+    proxy.close()
 
 
 def without_client_retries(url: str) -> dict:
@@ -224,7 +138,7 @@ def our_retries_only(remote: object) -> object:
     return remote
 
 
-def test_a_slowdown_a_reset_and_a_truncated_body_are_retried(layouts: dict, proxy: FaultyProxy) -> None:
+def test_a_slowdown_a_reset_and_a_truncated_body_are_retried(layouts: dict, proxy: S3Proxy) -> None:
     from datamodules.text.token_shards import TokenShards
 
     local, url = layouts["npy"]
@@ -239,7 +153,7 @@ def test_a_slowdown_a_reset_and_a_truncated_body_are_retried(layouts: dict, prox
     assert remote._readers[0].retries in (2, 3)
 
 
-def test_a_range_that_keeps_failing_is_one_error_naming_the_object(layouts: dict, proxy: FaultyProxy) -> None:
+def test_a_range_that_keeps_failing_is_one_error_naming_the_object(layouts: dict, proxy: S3Proxy) -> None:
     from datamodules.text.token_shards import TokenShards
 
     remote = our_retries_only(TokenShards(layouts["npy"][1], storage_options=without_client_retries(proxy.url)))
@@ -265,7 +179,7 @@ def test_a_mixture_of_a_local_and_a_remote_source_reads_both(layouts: dict, endp
         assert all(torch.equal(want[key], got[key]) for key in want)
 
 
-def test_a_resumed_run_fetches_only_the_windows_it_trains_next(layouts: dict, proxy: FaultyProxy) -> None:
+def test_a_resumed_run_fetches_only_the_windows_it_trains_next(layouts: dict, proxy: S3Proxy) -> None:
     from datamodules.text.token_shards import TokenShards
 
     local, url = layouts["npy"]
@@ -350,7 +264,7 @@ def test_a_2_rank_ddp_checkpoint_on_s3_resumes_on_1_rank_consuming_every_positio
 
 
 def test_setup_reads_headers_and_fingerprints_by_small_ranges(
-    tmp_path: Path, layouts: dict, endpoint: str, proxy: FaultyProxy
+    tmp_path: Path, layouts: dict, endpoint: str, proxy: S3Proxy
 ) -> None:
     """Headers (.npy) and the fingerprint's first and last 4 KB are ranged requests of their own size,
     not a file opened with read-ahead (s3fs would fetch up to a 50 MB block for each)."""

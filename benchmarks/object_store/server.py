@@ -1,0 +1,163 @@
+"""A real S3 endpoint on 127.0.0.1 and a proxy in front of it.
+
+``s3_server()`` starts moto's ``ThreadedMotoServer`` (a real HTTP server speaking the S3 API; the
+clients, s3fs and boto3, run unchanged). ``S3Proxy`` forwards every request to it and can add a
+fixed delay per request (a far-away bucket), count the ranged GETs and the body bytes it returned,
+log each ranged GET, and spoil the next requests with the faults it is given.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlparse
+
+KEY = SECRET = "testing"
+REGION = "us-east-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on a free port of 127.0.0.1; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def storage_options(endpoint: str, **extra: Any) -> dict[str, Any]:
+    """s3fs options (the ``storage_options`` a DataModule takes) for the server at ``endpoint``."""
+    return {"endpoint_url": endpoint, "key": KEY, "secret": SECRET, "client_kwargs": {"region_name": REGION}, **extra}
+
+
+def create_bucket(endpoint: str, bucket: str) -> None:
+    import boto3
+
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name=REGION
+    ).create_bucket(Bucket=bucket)
+
+
+class S3Proxy:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream``.
+
+    ``delay``: seconds added before answering each request. ``faults``: spoil the next ranged GETs,
+    one fault each, in order (``"503"``: S3's SlowDown; ``"reset"``: the connection closed without an
+    answer; ``"truncated"``: half the body, then closed). ``ranged_gets``, ``bytes_sent`` (bodies of
+    ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed.
+    """
+
+    def __init__(self, upstream: str, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.faults: list[str] = []
+        self.ranged_gets = 0
+        self.bytes_sent = 0
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler(urlparse(upstream)))
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.ranged_gets = self.bytes_sent = 0
+            self.requests.clear()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self, target: Any) -> type[http.server.BaseHTTPRequestHandler]:
+        proxy = self
+        local = threading.local()  # one kept-alive upstream connection per proxy thread
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                ranged = self.command == "GET" and "Range" in self.headers
+                fault = None
+                with proxy._lock:
+                    if ranged:
+                        proxy.ranged_gets += 1
+                        proxy.requests.append((self.path.split("?")[0], self.headers["Range"]))
+                        fault = proxy.faults.pop(0) if proxy.faults else None
+                if proxy.delay:
+                    time.sleep(proxy.delay)
+                if fault == "503":
+                    message = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(message)))
+                    self.end_headers()
+                    self.wfile.write(message)
+                    return
+                if fault == "reset":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                status, headers, data = self._upstream(body)
+                self.send_response(status)
+                for key, value in headers:
+                    # A HEAD's Content-Length is the object's size: kept; a body's is set below.
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                    elif key.lower() == "content-length" and self.command == "HEAD":
+                        self.send_header(key, value)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if fault == "truncated":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                if ranged:
+                    with proxy._lock:
+                        proxy.bytes_sent += len(data)
+
+            def _upstream(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+                for attempt in range(2):  # a kept-alive connection the server closed: open a new one
+                    connection = getattr(local, "connection", None)
+                    if connection is None:
+                        connection = local.connection = http.client.HTTPConnection(
+                            target.hostname, target.port, timeout=60
+                        )
+                    try:
+                        connection.request(self.command, self.path, body, dict(self.headers))
+                        answer = connection.getresponse()
+                        return answer.status, answer.getheaders(), answer.read()
+                    except (http.client.HTTPException, OSError):
+                        connection.close()
+                        local.connection = None
+                        if attempt:
+                            raise
+                raise AssertionError("unreachable")
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+
+        return Handler
