@@ -61,7 +61,9 @@ class S3Proxy:
     ``delay``: seconds added before answering each request. ``faults``: spoil the next ranged GETs,
     one fault each, in order (``"503"``: S3's SlowDown; ``"reset"``: the connection closed without an
     answer; ``"truncated"``: half the body, then closed). ``ranged_gets``, ``bytes_sent`` (bodies of
-    ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed.
+    ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed;
+    ``gets`` and ``get_bytes`` count every GET and its body, ranged or whole (a client that downloads
+    whole objects sends no Range); ``puts`` lists the object path of every PUT, in order.
     """
 
     def __init__(self, upstream: str, delay: float = 0.0) -> None:
@@ -69,7 +71,12 @@ class S3Proxy:
         self.faults: list[str] = []
         self.ranged_gets = 0
         self.bytes_sent = 0
+        self.gets = 0
+        self.get_bytes = 0
         self.requests: list[tuple[str, str]] = []
+        self.puts: list[str] = []  # object path of every PUT, in order
+        self.most_in_flight = 0
+        self._in_flight = 0
         self._lock = threading.Lock()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler(urlparse(upstream)))
         self._server.daemon_threads = True
@@ -78,8 +85,9 @@ class S3Proxy:
 
     def reset_counts(self) -> None:
         with self._lock:
-            self.ranged_gets = self.bytes_sent = 0
+            self.ranged_gets = self.bytes_sent = self.gets = self.get_bytes = self.most_in_flight = 0
             self.requests.clear()
+            self.puts.clear()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -91,15 +99,32 @@ class S3Proxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes: with Nagle's algorithm the body waits for the
+            # client's delayed ACK of the headers, 40 ms on a kept-alive connection.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:
                 pass
 
             def _forward(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
                 ranged = self.command == "GET" and "Range" in self.headers
+                if ranged:
+                    with proxy._lock:
+                        proxy._in_flight += 1
+                        proxy.most_in_flight = max(proxy.most_in_flight, proxy._in_flight)
+                try:
+                    self._answer(ranged)
+                finally:
+                    if ranged:
+                        with proxy._lock:
+                            proxy._in_flight -= 1
+
+            def _answer(self, ranged: bool) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
                 fault = None
                 with proxy._lock:
+                    if self.command == "PUT":
+                        proxy.puts.append(self.path.split("?")[0])
                     if ranged:
                         proxy.ranged_gets += 1
                         proxy.requests.append((self.path.split("?")[0], self.headers["Range"]))
@@ -136,9 +161,11 @@ class S3Proxy:
                     return
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                if ranged:
+                if self.command == "GET":
                     with proxy._lock:
-                        proxy.bytes_sent += len(data)
+                        proxy.gets += 1
+                        proxy.get_bytes += len(data)
+                        proxy.bytes_sent += len(data) if ranged else 0
 
             def _upstream(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
                 for attempt in range(2):  # a kept-alive connection the server closed: open a new one

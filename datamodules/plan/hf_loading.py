@@ -4,8 +4,11 @@ user can cause (a path, a split, a hub name offline) told in one line instead of
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
+
+from datamodules.plan.storage import is_url, storage_path
 
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 
@@ -16,10 +19,13 @@ def one_line(err: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(err).__name__
 
 
-def is_saved_dataset(path: str | Path) -> bool:
-    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
-    path = Path(path)
-    return path.is_dir() and any((path / marker).exists() for marker in SAVED_DATASET_MARKERS)
+def is_saved_dataset(path: str | Path, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``path`` (a local folder or a URL) is a folder written by ``datasets``' ``save_to_disk``."""
+    folder = storage_path(path, storage_options if is_url(path) else None)
+    try:
+        return any((folder / marker).exists() for marker in SAVED_DATASET_MARKERS)
+    except OSError:  # a hub or URL that cannot be reached: load_dataset tells why
+        return False
 
 
 def _is_builder(path: str) -> bool:
@@ -36,15 +42,19 @@ def load_split(
     load_kwargs: dict[str, Any] | None = None,
     streaming: bool = False,
     error: type[Exception] = ValueError,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
-    """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped) or of anything
-    ``datasets.load_dataset`` takes (a hub name, a builder such as ``"parquet"`` or ``"imagefolder"``
-    with ``data_files``, a local data folder); ``streaming`` gives an ``IterableDataset``."""
+    """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped; a URL is
+    downloaded first) or of anything ``datasets.load_dataset`` takes (a hub name, a builder such as
+    ``"parquet"`` or ``"imagefolder"`` with ``data_files``, local or URLs, a local data folder);
+    ``streaming`` gives an ``IterableDataset``. ``storage_options``: for URLs, as ``datasets`` takes them."""
     import datasets
 
-    if is_saved_dataset(path):
+    # A copy: datasets rewrites the dict it is given (per-protocol keys), which would spoil ours.
+    remote = {"storage_options": copy.deepcopy(storage_options)} if storage_options else {}
+    if is_saved_dataset(path, storage_options):
         try:
-            loaded = datasets.load_from_disk(str(path))
+            loaded = datasets.load_from_disk(str(path), **(remote if is_url(path) else {}))
         except Exception as err:  # datasets' own failure, told in one line
             raise error(f"cannot load the saved dataset {path} ({type(err).__name__}: {one_line(err)})") from None
         if isinstance(loaded, datasets.DatasetDict):
@@ -52,9 +62,16 @@ def load_split(
                 raise error(f"{path} has no split {split!r}; splits are {list(loaded)}")
             loaded = loaded[split]
         return loaded
+    if is_url(path):  # load_dataset takes URLs in data_files only
+        if not storage_path(path, storage_options).exists():
+            raise error(f"{path!r} does not exist (or cannot be reached with the storage_options given)")
+        raise error(
+            f"{path!r} is not a save_to_disk folder; for files at URLs, give a builder (\"parquet\", "
+            "\"json\", ...) as the path and the URLs as data_files"
+        )
     try:
         return datasets.load_dataset(
-            path, name, split=split, data_files=data_files, streaming=streaming, **(load_kwargs or {})
+            path, name, split=split, data_files=data_files, streaming=streaming, **remote, **(load_kwargs or {})
         )
     except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
         where = "could not be loaded with datasets.load_dataset"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,7 +22,7 @@ from datamodules.plan.sample_plan import SamplePlan
 RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
-_GROUP = 16  # micro-batches per worker message
+MESSAGE_BATCHES = 16  # micro-batches per worker message, unless a source says otherwise
 # A batch holding this key (a message) asks to stop training: the DataModule stops every rank at once,
 # at the same step, so none is left waiting in a collective.
 STOP = "stop_training"
@@ -146,10 +147,24 @@ def in_groups(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
         yield group
 
 
+def read_ahead(read: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any]:
+    """``read(item)`` for each item, in order, each read running in a thread while the caller
+    works on the previous one's result."""
+    with ThreadPoolExecutor(1, thread_name_prefix="plan-read-ahead") as pool:
+        pending = None
+        for item in items:
+            following = pool.submit(read, item)
+            if pending is not None:
+                yield pending.result()
+            pending = following
+        if pending is not None:
+            yield pending.result()
+
+
 class PlanDataLoader(DataLoader):
     """A ``DataLoader`` over a ``PlanDataset`` and ``PlanSampler`` that yields tensor batches.
 
-    Worker processes send ``_GROUP`` raw micro-batches per message (the DataLoader's "batch" is a
+    Worker processes send ``MESSAGE_BATCHES`` raw micro-batches per message (the DataLoader's "batch" is a
     list of them): one message between processes costs ~150 us here, ten times the reading of a
     token micro-batch. A source whose micro-batch costs far more (decoded images) sets
     ``batches_per_message`` lower, so the first batch does not wait for sixteen.
@@ -171,7 +186,7 @@ class PlanDataLoader(DataLoader):
     ) -> None:
         super().__init__(
             dataset,
-            batch_size=getattr(dataset.source, "batches_per_message", _GROUP) if num_workers > 0 else None,
+            batch_size=getattr(dataset.source, "batches_per_message", MESSAGE_BATCHES) if num_workers > 0 else None,
             sampler=sampler,
             num_workers=num_workers,
             collate_fn=keep_raw,
@@ -188,12 +203,14 @@ class PlanDataLoader(DataLoader):
         return len(self.sampler)  # micro-batches, however many travel in one worker message
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        group = getattr(self.dataset.source, "batches_per_message", _GROUP)
-        if self.num_workers == 0 and hasattr(self.dataset.source, "fetch_many") and group > 1:
-            # Concurrent fetches in-process too: a group of spans at a time (the sampler runs ahead by
-            # at most one group; the DataModule's state comes from the Trainer's count, not the sampler's).
-            spans = in_groups(iter(self.sampler), group)
-            raws = itertools.chain.from_iterable(map(self.dataset.__getitems__, spans))
+        group = getattr(self.dataset.source, "batches_per_message", MESSAGE_BATCHES)
+        if self.num_workers == 0 and hasattr(self.dataset.source, "fetch_many"):
+            # Concurrent fetches in-process too: a group of spans at a time, the next group fetched in
+            # a thread while this one trains (the sampler runs ahead by at most two groups; the
+            # DataModule's state comes from the Trainer's count, not the sampler's).
+            raws = itertools.chain.from_iterable(
+                read_ahead(self.dataset.__getitems__, in_groups(iter(self.sampler), group))
+            )
         elif self.num_workers == 0:
             raws = map(self.dataset.__getitem__, self.sampler)
         else:

@@ -11,15 +11,19 @@ object is re-created in every process that reads (fsspec's async clients are not
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import fsspec
+import fsspec.asyn
 from fsspec.utils import merge_offset_ranges
 
 log = logging.getLogger(__name__)
@@ -50,6 +54,21 @@ def storage_path(location: str | os.PathLike, storage_options: dict[str, Any] | 
         raise ValueError(f"cannot read {location!r}: {err}. Is the fsspec package for {scheme}:// installed?") from None
 
 
+def object_version(info: dict[str, Any]) -> tuple[int, str | None]:
+    """``(size, version tag)`` of a remote object from its fsspec ``info``: the ETag (S3, HTTP), or
+    the generation (GCS) or modification time where a store has no ETag."""
+    tags = ("ETag", "etag", "generation", "LastModified", "last_modified", "mtime")
+    tag = next((str(info[key]) for key in tags if info.get(key) is not None), None)
+    return int(info["size"]), tag
+
+
+def join_location(root: str, name: str) -> str:
+    """``name`` under ``root`` (a folder path or URL); a ``name`` that is absolute or a URL stands alone."""
+    if is_url(name) or os.path.isabs(name):
+        return name
+    return f"{root.rstrip('/')}/{name}" if is_url(root) else os.path.join(root, name)
+
+
 def read_range(path: Path, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of a local or remote file (fewer past its end). For a URL, one ranged
     request: ``open()`` would read ahead a whole block (50 MB for s3fs) to serve a small read."""
@@ -66,34 +85,82 @@ def read_range(path: Path, start: int, end: int) -> bytes:
 class RangeReader:
     """Reads byte ranges of the files under one remote root; picklable, one filesystem per process.
 
-    A range that fails (an error response, a reset connection, a short body) is requested again, up
-    to ``attempts`` times in all, after an exponential backoff with jitter; then the read fails with
-    one message naming the object. A missing object or a refused permission is not retried.
+    At most ``io_threads`` requests are in flight at once. A range that fails (an error response, a
+    reset connection, a short body) is requested again, up to ``attempts`` times in all, after an
+    exponential backoff with jitter; then the read fails with one message naming the object. A
+    missing object or a refused permission is not retried.
+
+    Objects given to ``expect`` are checked against the size and ETag recorded then: by each process
+    before it first reads one, and again once ``verify_every`` seconds have passed (one HEAD per
+    object, all at once). An object that changed is refused: its windows would mix two versions.
     """
 
+    verify_every = 600.0
+
     def __init__(
-        self, root: str, storage_options: dict[str, Any] | None = None, attempts: int = 5, backoff: float = 0.2
+        self,
+        root: str,
+        storage_options: dict[str, Any] | None = None,
+        io_threads: int = 16,
+        attempts: int = 5,
+        backoff: float = 0.2,
     ) -> None:
         self.root = root
         self.storage_options = dict(storage_options or {})
+        self.io_threads = io_threads
         self.attempts = attempts
         self.backoff = backoff
         self.retries = 0  # ranges requested again in this process
+        self.expected: dict[str, tuple[int, str | None]] = {}  # path -> (size, ETag) recorded at setup
+        self._checked: dict[str, float] = {}  # path -> when this process last checked it
         self._fs: Any = None
         self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fs": None, "_pid": -1}
+        return {**self.__dict__, "_fs": None, "_pid": -1, "_checked": {}}
 
     @property
     def fs(self) -> Any:
         if self._pid != os.getpid():  # a new process (fork or spawn): its own client and event loop
             self._fs = fsspec.url_to_fs(self.root, skip_instance_cache=True, **self.storage_options)[0]
             self._pid = os.getpid()
+            self._checked = {}
         return self._fs
+
+    def expect(self, paths: list[str]) -> None:
+        """Record the size and ETag of ``paths`` now; reads refuse them if either changes."""
+        self.expected.update(zip(paths, self._versions(paths), strict=True))
+
+    def _versions(self, paths: list[str]) -> list[tuple[int, str | None]]:
+        fs = self.fs
+        if getattr(fs, "async_impl", False):  # one round of concurrent HEADs
+            infos = fsspec.asyn.sync(fs.loop, _gather, [fs._info(path) for path in paths], self.io_threads)
+        else:
+            infos = [fs.info(path) for path in paths]
+        return [object_version(info) for info in infos]
+
+    def _verify(self, paths: list[str]) -> None:
+        now = time.monotonic()
+        due = [
+            p
+            for p in dict.fromkeys(paths)
+            if p in self.expected and now - self._checked.get(p, -math.inf) > self.verify_every
+        ]
+        if not due:
+            return
+        for path, found in zip(due, self._versions(due), strict=True):
+            if found != self.expected[path]:
+                (size, tag), (new_size, new_tag) = self.expected[path], found
+                raise OSError(
+                    f"{path} changed during the run: {size} bytes, ETag {tag} when the run started; now "
+                    f"{new_size} bytes, ETag {new_tag}. Its windows would mix two versions of the data; "
+                    "start again from the new version."
+                )
+            self._checked[path] = now
 
     def read(self, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
         """The bytes ``[start, end)`` of each path, in order. Ranges of one file that touch are one request."""
+        self._verify(paths)
         merged_paths, merged_starts, merged_ends = merge_offset_ranges(
             list(paths), list(starts), list(ends), max_gap=0, sort=True
         )
@@ -112,10 +179,7 @@ class RangeReader:
         blobs: list[bytes | None] = [None] * len(ranges)
         pending = list(range(len(ranges)))
         for attempt in range(1, self.attempts + 1):
-            asked = [ranges[i] for i in pending]
-            got = self.fs.cat_ranges(
-                [r[0] for r in asked], [r[1] for r in asked], [r[2] for r in asked], on_error="return"
-            )
+            got = self._cat([ranges[i] for i in pending])
             failed = []
             for i, blob in zip(pending, got, strict=True):
                 path, start, end = ranges[i]
@@ -144,3 +208,30 @@ class RangeReader:
             time.sleep(min(10.0, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
             pending = [i for i, _ in failed]
         raise AssertionError("unreachable")
+
+    def _cat(self, ranges: list[tuple[str, int, int]]) -> list[bytes | BaseException]:
+        """Each range's bytes, or the exception reading it raised; ``io_threads`` requests at a time."""
+        fs = self.fs
+        paths, starts, ends = (list(column) for column in zip(*ranges, strict=True))
+        if getattr(fs, "async_impl", False):
+            return fs.cat_ranges(paths, starts, ends, on_error="return", batch_size=self.io_threads)
+
+        def cat(path: str, start: int, end: int) -> bytes | BaseException:
+            try:
+                return fs.cat_file(path, start=start, end=end)
+            except Exception as err:  # noqa: BLE001 (returned, judged and retried by the caller)
+                return err
+
+        with ThreadPoolExecutor(self.io_threads) as pool:
+            return list(pool.map(cat, paths, starts, ends))
+
+
+async def _gather(coroutines: list[Any], limit: int) -> list[Any]:
+    """The coroutines' results in order, at most ``limit`` running at once."""
+    gate = asyncio.Semaphore(limit)
+
+    async def gated(coroutine: Any) -> Any:
+        async with gate:
+            return await coroutine
+
+    return await asyncio.gather(*map(gated, coroutines))

@@ -55,7 +55,7 @@ def generate_hidden_states(
 
     dataset = load_split(data_dir, "train").with_format("numpy", columns=["input_ids"])
     store = HiddenStateFiles(hidden_states_dir or Path(data_dir) / "hidden_states")
-    for stale in store.directory.glob(".hs_*.partial-*"):
+    for stale in Path(store.directory).glob(".hs_*.partial-*"):
         stale.unlink()  # left by a run that was killed mid-write
     if isinstance(model, str):
         try:

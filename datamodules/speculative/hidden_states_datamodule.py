@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +15,7 @@ from datamodules.plan.arguments import require_int
 from datamodules.plan.bad_samples import BadSampleLog, check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
+from datamodules.plan.remote_files import RemoteFiles
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer
 from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows, column_lengths
@@ -79,6 +79,10 @@ class HiddenStatesDataModule(PlanDataModule):
         preprocess: a function on each batch, such as
             ``datamodules.speculative.preprocess.shift_tokens_left`` (the EAGLE-3 shift).
         store: the hidden-states backend, a key of ``STORES`` (default ``"files"``).
+        storage_options: for a ``data_dir`` or ``hidden_states_dir`` that is a URL (``s3://``, ``gs://``,
+            ...), the fsspec filesystem's options (endpoint, credentials, ``anon``); kept out of checkpoints.
+        file_cache_dir, file_cache_bytes: a node-local folder keeping hidden-state files read by URL,
+            and the most bytes it holds (least recently used evicted first); default: no cache.
         worker_start_method: how DataLoader workers start: ``"spawn"`` (default: safe once CUDA is
             initialised), ``"fork"`` or ``"forkserver"``.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order: see
@@ -107,6 +111,9 @@ class HiddenStatesDataModule(PlanDataModule):
         length_quantum: int | None = None,
         preprocess: Callable[[Batch], Batch] | None = None,
         store: str = "files",
+        storage_options: dict[str, Any] | None = None,
+        file_cache_dir: str | None = None,
+        file_cache_bytes: int | None = None,
         worker_start_method: str = "spawn",
         seed: int = 0,
         num_workers: int = 0,
@@ -126,7 +133,9 @@ class HiddenStatesDataModule(PlanDataModule):
         )
         self.data_dir = str(data_dir)
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
-        self.hidden_states_dir = str(hidden_states_dir or Path(data_dir) / "hidden_states")
+        self.hidden_states_dir = str(hidden_states_dir or f"{self.data_dir.rstrip('/')}/hidden_states")
+        self.storage_options = storage_options
+        self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes)
         self.train_ratio = require_ratio(train_ratio)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
@@ -149,14 +158,14 @@ class HiddenStatesDataModule(PlanDataModule):
         self.over_long, self.length_quantum, self.preprocess = over_long, length_quantum, preprocess
         self.store = check_policy(store, tuple(STORES), "store")
         self.worker_start_method = check_policy(worker_start_method, START_METHODS, "worker_start_method")
-        self.save_hyperparameters(ignore=["preprocess", "server"])
+        self.save_hyperparameters(ignore=["preprocess", "server", "storage_options"])  # no credentials
         # Plain values, so ``torch.load(weights_only=True)`` reads the checkpoint.
         self.hparams["server"] = asdict(server) if server is not None else None
 
     def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
         dataset = self._load()
         first_val = train_rows(len(dataset), self.train_ratio)
-        store = STORES[self.store](self.hidden_states_dir)
+        store = STORES[self.store](self.hidden_states_dir, self.files)
         client = None
         if self.server is not None:
             client = GenerationClient(self.server)
@@ -190,9 +199,9 @@ class HiddenStatesDataModule(PlanDataModule):
         return [("train", train, val)]
 
     def _load(self) -> Any:
-        if not is_saved_dataset(self.data_dir):
+        if not is_saved_dataset(self.data_dir, self.storage_options):
             raise ValueError(f"data_dir {self.data_dir!r} is not a folder written by datasets' save_to_disk")
-        dataset = load_split(self.data_dir, "train")
+        dataset = load_split(self.data_dir, "train", storage_options=self.storage_options)
         missing = [c for c in COLUMNS if c not in dataset.column_names]
         if missing:
             raise ValueError(f"{self.data_dir} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")

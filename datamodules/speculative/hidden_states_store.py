@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
+from datamodules.plan.storage import is_url
 
 States = dict[str, torch.Tensor]  # ``hidden_states`` [T, L, H] and ``token_ids`` [T]
 
@@ -48,32 +50,58 @@ class HiddenStatesStore(ABC):
 
 
 class HiddenStateFiles(HiddenStatesStore):
-    """``directory/hs_{index}.safetensors``, each holding ``hidden_states`` and ``token_ids``."""
+    """``directory/hs_{index}.safetensors``, each holding ``hidden_states`` and ``token_ids``.
 
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
+    ``directory`` may be a URL (``s3://bucket/run/hidden_states``): files are then read whole through
+    ``files`` (retried, optionally kept in its node-local cache) and written with one PUT each.
+    """
 
-    def path(self, index: int) -> Path:
-        return self.directory / f"hs_{index}.safetensors"
+    def __init__(self, directory: str | Path, files: RemoteFiles = LOCAL_FILES) -> None:
+        self.directory = str(directory).rstrip("/")
+        self.files = files
+
+    def path(self, index: int) -> str:
+        return f"{self.directory}/hs_{index}.safetensors"
 
     def describe(self, index: int) -> str:
-        return str(self.path(index))
+        return self.path(index)
 
     def lookup(self, index: int) -> States | None:
         path = self.path(index)
-        return self.fetch(str(path)) if path.exists() else None
+        if is_url(path):
+            try:
+                return self._parse(path, self.files.read_bytes(path))
+            except FileNotFoundError:
+                return None
+        return self.fetch(path) if os.path.exists(path) else None
 
     def fetch(self, location: str) -> States:
+        if is_url(location):
+            return self._parse(location, self.files.read_bytes(location))
         try:
-            return load_file(location)
+            return load_file(location)  # memory-mapped
         except (SafetensorError, OSError, ValueError) as err:
             raise BadSample(f"cannot read hidden states {location}: {err}") from None
 
+    @staticmethod
+    def _parse(location: str, data: bytes) -> States:
+        try:
+            return load(data)
+        except (SafetensorError, ValueError) as err:
+            raise BadSample(f"cannot read hidden states {location}: {err}") from None
+
     def cache(self, index: int, states: States) -> None:
-        write_atomically(self.path(index), states)
+        path = self.path(index)
+        if is_url(path):
+            self.files.write_bytes(path, save({key: value.contiguous() for key, value in states.items()}))
+        else:
+            write_atomically(Path(path), states)
 
     def delete(self, location: str) -> None:
-        Path(location).unlink(missing_ok=True)
+        if is_url(location):
+            self.files.delete(location)
+        else:
+            Path(location).unlink(missing_ok=True)
 
 
 def write_atomically(path: Path, states: States) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.text.token_shard_source import TokenShardSource
+from datamodules.text.token_shards import IO_THREADS, PREFETCH_STEPS
 from datamodules.text.token_windows import TokenWindows
 
 
@@ -27,6 +28,9 @@ class TokenShardDataModule(PlanDataModule):
         file_pattern: glob choosing the shard files of a directory without ``metadata.json``.
         storage_options: for URL directories (``s3://bucket/corpus``, ``gs://``, ``hf://``, ...), the
             fsspec filesystem's options (endpoint, credentials, ``anon``); kept out of checkpoints.
+        prefetch_steps: for a URL, micro-batches whose windows are requested in one round of
+            concurrent range requests, the next round while the current one trains.
+        io_threads: for a URL, range requests in flight at once per process (main or worker).
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
 
     Example::
@@ -50,6 +54,8 @@ class TokenShardDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        prefetch_steps: int = PREFETCH_STEPS,
+        io_threads: int = IO_THREADS,
     ) -> None:
         super().__init__(
             batch_size,
@@ -60,7 +66,9 @@ class TokenShardDataModule(PlanDataModule):
             prefetch_factor=prefetch_factor,
         )
         require_int("seq_len", seq_len, 1)
-        self.source = TokenShardSource(data_dir, val_dir, val_fraction, file_pattern, storage_options)
+        self.source = TokenShardSource(
+            data_dir, val_dir, val_fraction, file_pattern, storage_options, prefetch_steps, io_threads
+        )
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         data_dir, val_dir = self.source.data_dir, self.source.val_dir
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints

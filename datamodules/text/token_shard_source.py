@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from datamodules.plan.arguments import require_int
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.text.token_shards import TokenShards
+from datamodules.text.token_shards import IO_THREADS, PREFETCH_STEPS, TokenShards
 from datamodules.text.token_windows import TokenWindows
 
 
@@ -24,6 +25,9 @@ class TokenShardSource(SourceSpec):
             (bare ``.npy``, or Megatron ``.idx``), e.g. ``"train_*.npy"``. Default: all of them.
         storage_options: for URL directories (``s3://bucket/corpus``), the fsspec filesystem's
             options: ``{"endpoint_url": ..., "key": ..., "secret": ...}``, ``{"anon": True}``.
+        prefetch_steps: for a URL, micro-batches whose windows are requested in one round, the next
+            round while the current one trains (per worker with workers): at least this many steps ahead.
+        io_threads: for a URL, range requests in flight at once per process (main or worker).
     """
 
     data_dir: str
@@ -31,8 +35,12 @@ class TokenShardSource(SourceSpec):
     val_fraction: float = 0.0
     file_pattern: str | None = None
     storage_options: dict[str, Any] | None = None
+    prefetch_steps: int = PREFETCH_STEPS
+    io_threads: int = IO_THREADS
 
     def __post_init__(self) -> None:
+        require_int("prefetch_steps", self.prefetch_steps, 1)
+        require_int("io_threads", self.io_threads, 1)
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         self.data_dir = str(self.data_dir)
         self.val_dir = None if self.val_dir is None else str(self.val_dir)
@@ -44,8 +52,9 @@ class TokenShardSource(SourceSpec):
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
     ) -> tuple[TokenWindows, TokenWindows | None]:
-        shards = TokenShards(self.data_dir, self.file_pattern, self.storage_options)
-        val = None if self.val_dir is None else TokenShards(self.val_dir, self.file_pattern, self.storage_options)
+        reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads)
+        shards = TokenShards(self.data_dir, *reading)
+        val = None if self.val_dir is None else TokenShards(self.val_dir, *reading)
         return split_windows(shards, val, self.val_fraction, seq_len, pack_sequences)
 
 

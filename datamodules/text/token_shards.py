@@ -32,6 +32,8 @@ SHARD_SUFFIXES = (".npy", ".bin")
 # Bytes read for a .npy header: numpy refuses headers over 10,000 bytes unless told otherwise.
 _NPY_HEAD = 16_384
 PART_GLOB = "part-*"
+PREFETCH_STEPS = 16
+IO_THREADS = 16
 
 
 @dataclass(frozen=True)
@@ -231,17 +233,28 @@ class TokenShards:
             without ``metadata.json``, e.g. ``"train_*.npy"``; default: all of them.
         storage_options: for a URL ``directory``, the fsspec filesystem's options (endpoint,
             credentials, ``anon``).
+        prefetch_steps: for a URL, micro-batches whose windows are requested together, the next
+            group while the current one trains.
+        io_threads: for a URL, range requests in flight at once, per process.
     """
 
     def __init__(
-        self, directory: str | Path, file_pattern: str | None = None, storage_options: dict[str, Any] | None = None
+        self,
+        directory: str | Path,
+        file_pattern: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        prefetch_steps: int = PREFETCH_STEPS,
+        io_threads: int = IO_THREADS,
     ) -> None:
         self.directory = storage_path(directory, storage_options)
-        reader = RangeReader(str(directory), storage_options) if is_url(directory) else None
+        self.prefetch_steps = prefetch_steps
+        reader = RangeReader(str(directory), storage_options, io_threads) if is_url(directory) else None
         try:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
             layout = _read_layout(self.directory, file_pattern)
+            if reader is not None:  # what the run reads: an object changed under it is refused
+                reader.expect([str(shard.path) for shard in layout.shards])
         except ImportError as err:  # the URL's fsspec filesystem is not installed (gcsfs, ...)
             raise ImportError(f"cannot read token shards at {str(directory)!r}: {err}") from None
         except (OSError, ValueError) as err:
@@ -280,7 +293,7 @@ class TokenShards:
         digest = hashlib.blake2b(np.ascontiguousarray(tokens).data, digest_size=16).hexdigest()
         shard = _Shard(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
         shards._set_layout(_Layout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
-        shards._memory, shards._readers = tokens, [None]
+        shards._memory, shards._readers, shards.prefetch_steps = tokens, [None], PREFETCH_STEPS
         return shards
 
     @classmethod
@@ -288,6 +301,7 @@ class TokenShards:
         """One stream of several shard directories, one after another (dtype: the widest)."""
         joined = cls.__new__(cls)
         joined.directory = parts[0].directory
+        joined.prefetch_steps = max(part.prefetch_steps for part in parts)
         joined._set_layout(_concat([p._layout for p in parts]))
         joined._readers = [reader for part in parts for reader in part._readers]
         return joined

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.plan.loader import IGNORE_INDEX, MESSAGE_BATCHES
 from datamodules.text.token_shards import TokenShards
 
 
@@ -114,10 +114,15 @@ class TokenWindows:
         return raw
 
     @property
+    def batches_per_message(self) -> int:
+        """Micro-batches a worker reads and sends at once; for a URL, those fetched in one round."""
+        return self.shards.prefetch_steps if self.shards.remote else MESSAGE_BATCHES
+
+    @property
     def fetch_many(self) -> Callable[[list[tuple[np.ndarray, dict]]], list[dict[str, np.ndarray]]]:
         """For shards behind a URL: the windows of a whole group of micro-batches (a worker message,
-        or a group of spans in-process: 16 steps of the plan) in one round of concurrent range
-        requests, so a batch does not wait for its own round trip. Local shards have no
+        or a group of spans in-process: ``prefetch_steps`` steps of the plan) in one round of
+        concurrent range requests, so a batch does not wait for its own round trip. Local shards have no
         ``fetch_many`` (``hasattr`` is false): a memory-mapped read gains nothing from grouping."""
         if not self.shards.remote:
             raise AttributeError("fetch_many")

@@ -26,7 +26,8 @@ class ImageTextDataModule(PlanDataModule):
     Args:
         path, tokenizer, processor, name, split, data_files, image_field, text_field, prompt_field,
             prompt, image_size, resize_mode, mean, std, transform, num_image_tokens, image_token,
-            add_bos, val_split, val_fraction, on_bad_sample, load_kwargs: see ``ImageTextSource``.
+            add_bos, val_split, val_fraction, on_bad_sample, load_kwargs, storage_options, file_cache_dir,
+            file_cache_bytes: see ``ImageTextSource``; ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding).
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
@@ -64,6 +65,9 @@ class ImageTextDataModule(PlanDataModule):
         val_fraction: float = 0.0,
         on_bad_sample: str = "raise",
         load_kwargs: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        file_cache_dir: str | None = None,
+        file_cache_bytes: int | None = None,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -102,8 +106,11 @@ class ImageTextDataModule(PlanDataModule):
             val_fraction=val_fraction,
             on_bad_sample=on_bad_sample,
             load_kwargs=dict(load_kwargs or {}),
+            storage_options=storage_options,
+            file_cache_dir=file_cache_dir,
+            file_cache_bytes=file_cache_bytes,
         )
-        self.save_hyperparameters(ignore=["transform"])
+        self.save_hyperparameters(ignore=["transform", "storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[ImageTextSource]:
         return [self.source]

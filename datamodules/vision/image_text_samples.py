@@ -14,6 +14,7 @@ import torch
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.permutation import permute, round_keys
 from datamodules.plan.randomness import seeded
+from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.bad_samples import sample_or_replacement
 from datamodules.vision.images import ImagePixels, read_image
 from datamodules.vision.joined_samples import JoinedSamples
@@ -76,7 +77,9 @@ class ImageTextSamples:
         on_bad_sample: str,
         name: str,
         details: dict[str, Any],
+        files: RemoteFiles = LOCAL_FILES,
     ) -> None:
+        self.files = files
         self.dataset = dataset
         self.split = split
         self.fields = fields
@@ -121,8 +124,8 @@ class ImageTextSamples:
         else:
             raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
         if isinstance(self.pixels, ProcessorInputs):
-            return self.pixels.pixels(read_image(data, path))
-        image = read_image(data, path, self.pixels.draft_size)
+            return self.pixels.pixels(read_image(data, path, files=self.files))
+        image = read_image(data, path, self.pixels.draft_size, self.files)
         if not self.pixels.user_transform:
             return self.pixels(image)
         with seeded(key):

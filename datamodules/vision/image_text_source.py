@@ -14,6 +14,7 @@ from datamodules.plan.arguments import require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.remote_files import RemoteFiles
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples, RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
@@ -62,6 +63,10 @@ class ImageTextSource(SourceSpec):
             prompt too long for ``max_text_len`` is replaced by a stand-in drawn from its index,
             counted and logged.
         load_kwargs: further ``load_dataset`` arguments, e.g. ``{"data_dir": "images/"}``.
+        storage_options: for a ``path``, ``data_files`` or image paths that are URLs (``s3://``,
+            ``gs://``, ...), the fsspec filesystem's options (endpoint, credentials, ``anon``).
+        file_cache_dir, file_cache_bytes: a node-local folder keeping images read by URL, and the most
+            bytes it holds (least recently used evicted first); default: no cache.
     """
 
     path: str
@@ -86,9 +91,13 @@ class ImageTextSource(SourceSpec):
     val_fraction: float = 0.0
     on_bad_sample: str = "raise"
     load_kwargs: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] | None = None
+    file_cache_dir: str | None = None
+    file_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.path = str(self.path)
+        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_bad_sample)
         if self.image_size is not None:
             require_int("image_size", self.image_size, 1)
@@ -116,11 +125,13 @@ class ImageTextSource(SourceSpec):
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
 
     def _load(self, split: str) -> Any:
-        return load_split(self.path, split, self.name, self.data_files, self.load_kwargs)
+        return load_split(
+            self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
+        )
 
     def prepare(self) -> None:
         # Loading once per node builds datasets' Arrow cache, which every rank then memory-maps.
-        if not is_saved_dataset(self.path):
+        if not is_saved_dataset(self.path, self.storage_options):
             for split in (self.split, self.val_split):
                 if split is not None:
                     self._load(split)
@@ -191,7 +202,9 @@ class ImageTextSource(SourceSpec):
         def samples(dataset: Any, split: RowSplit, split_name: str) -> ImageTextSamples:
             details = {**options, "data": dataset._fingerprint, "split": split_name, "rows": [split.first, len(split)]}
             where = f"{self.path}:{split_name}"
-            return ImageTextSamples(dataset, split, fields, pixels, labels, self.on_bad_sample, where, details)
+            return ImageTextSamples(
+                dataset, split, fields, pixels, labels, self.on_bad_sample, where, details, self.files
+            )
 
         train = self._dataset(self.split)
         n = len(train)

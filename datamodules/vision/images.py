@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
 
 RESIZE_MODES = ("square", "crop")
 # OpenAI CLIP's statistics, which most open VLM vision towers (LLaVA's among them) were trained with.
@@ -22,8 +22,11 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def read_image(data: bytes | None, path: str | None, draft_size: int | None = None) -> Image.Image:
-    """The RGB image in ``data`` (or, when ``data`` is ``None``, the file at ``path``).
+def read_image(
+    data: bytes | None, path: str | None, draft_size: int | None = None, files: RemoteFiles = LOCAL_FILES
+) -> Image.Image:
+    """The RGB image in ``data`` (or, when ``data`` is ``None``, the file at ``path``, a local path or
+    a URL read through ``files``).
 
     Every mode becomes RGB as ``transformers``' image processors make it: alpha and palette
     transparency composited onto white; 16-bit and 32-bit greyscale scaled to 8 bits (PIL's own
@@ -37,7 +40,7 @@ def read_image(data: bytes | None, path: str | None, draft_size: int | None = No
         if path is None:
             raise BadSample("the image is null (no bytes and no path)")
         try:
-            data = Path(path).read_bytes()
+            data = files.read_bytes(path)
         except OSError as err:
             raise BadSample(f"cannot read image file {path}: {err.strerror or err}") from None
     if not data:

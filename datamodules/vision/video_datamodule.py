@@ -27,7 +27,8 @@ class VideoDataModule(PlanDataModule):
     Args:
         data_root, tokenizer, dataset_type, manifest, val_manifest, val_fraction, layout_options,
             frame_sampling, frame_options, max_frames, image_size, resize_mode, mean, std,
-            num_video_tokens, image_token, add_bos, prompt, on_broken_clip: see ``VideoSource``.
+            num_video_tokens, image_token, add_bos, prompt, on_broken_clip, storage_options, file_cache_dir,
+            file_cache_bytes: see ``VideoSource``; ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, placeholders included.
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
@@ -63,6 +64,9 @@ class VideoDataModule(PlanDataModule):
         add_bos: bool = False,
         prompt: str = "",
         on_broken_clip: str = "mask",
+        storage_options: dict[str, Any] | None = None,
+        file_cache_dir: str | None = None,
+        file_cache_bytes: int | None = None,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -98,8 +102,11 @@ class VideoDataModule(PlanDataModule):
             add_bos=add_bos,
             prompt=prompt,
             on_broken_clip=on_broken_clip,
+            storage_options=storage_options,
+            file_cache_dir=file_cache_dir,
+            file_cache_bytes=file_cache_bytes,
         )
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[VideoSource]:
         return [self.source]

@@ -25,6 +25,8 @@ import av
 import numpy as np
 
 from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
+from datamodules.plan.storage import is_url
 
 _PROBE_PACKETS = 2000  # packets read at most to find the second keyframe
 
@@ -116,11 +118,20 @@ class FrameReader:
         container: an open PyAV input container, already probed. path: the clip, for messages and
             to reopen it (a stream that cannot seek back, such as raw H.264, is read again).
         info: its ``probe``. convert: a decoded ``av.VideoFrame`` to an array (RGB, resized).
+        files: how ``path`` is read (a URL through the storage layer).
     """
 
-    def __init__(self, container: Any, path: str, info: ClipInfo, convert: Callable[[Any], np.ndarray]) -> None:
+    def __init__(
+        self,
+        container: Any,
+        path: str,
+        info: ClipInfo,
+        convert: Callable[[Any], np.ndarray],
+        files: RemoteFiles = LOCAL_FILES,
+    ) -> None:
         self.container = container
         self.path = path
+        self.files = files
         self.info = info
         self.convert = convert
         self.seeks = 0
@@ -139,7 +150,7 @@ class FrameReader:
                 self.seeks += 1
         except av.FFmpegError:  # not seekable: read again from the start, frames timed by count
             self.container.close()
-            self.container, at = open_clip(self.path), None
+            self.container, at = open_clip(self.path, files=self.files), None
             stream = self.container.streams.video[0]
         frames = self.container.decode(stream)
         index = 0
@@ -197,12 +208,22 @@ class FrameReader:
         return out
 
 
-def open_clip(path: str, threads: int = 1) -> Any:
-    """An open PyAV container of ``path``, or a ``BadSample`` saying why it cannot be read."""
-    if os.path.isfile(path) and os.path.getsize(path) == 0:
+def open_clip(path: str, threads: int = 1, files: RemoteFiles = LOCAL_FILES) -> Any:
+    """An open PyAV container of ``path`` (a URL is opened through ``files``: its cached copy, or its
+    bytes in memory), or a ``BadSample`` saying why it cannot be read."""
+    source: Any = path
+    if is_url(path):
+        try:
+            source = files.open(path)
+        except FileNotFoundError as err:
+            raise BadSample(str(err)) from None
+        if not source.read(1):
+            raise BadSample(f"{path} is an empty file (0 bytes)")
+        source.seek(0)
+    elif os.path.isfile(path) and os.path.getsize(path) == 0:
         raise BadSample(f"{path} is an empty file (0 bytes)")
     try:
-        container = av.open(path, metadata_errors="ignore")
+        container = av.open(source, metadata_errors="ignore")
     except (av.FFmpegError, OSError, UnicodeDecodeError) as err:
         raise BadSample(f"{path} cannot be opened as a video ({type(err).__name__}: {err})") from None
     if container.streams.video:
@@ -216,14 +237,15 @@ def read_frames(
     timestamps_for: Callable[[ClipInfo], np.ndarray],
     convert: Callable[[Any], np.ndarray],
     fallback_duration: float | None = None,
+    files: RemoteFiles = LOCAL_FILES,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """``(timestamps, frames)`` of a clip: ``timestamps_for(probe)`` chooses the seconds, each gets
     its nearest frame. Any decoding failure is a ``BadSample`` naming the file."""
-    container = open_clip(path)
+    container = open_clip(path, files=files)
     try:
         info = probe(container, path, fallback_duration)
         timestamps = np.sort(np.asarray(timestamps_for(info), dtype=np.float64))
-        reader = FrameReader(container, path, info, convert)
+        reader = FrameReader(container, path, info, convert, files)
         try:
             return timestamps, reader.read(timestamps)
         finally:

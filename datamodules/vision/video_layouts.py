@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any, ClassVar
 
 import pyarrow.compute as pc
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
+from datamodules.plan.storage import is_url, join_location, storage_path
 
 VIDEO_LAYOUTS: dict[str, type[VideoLayout]] = {}
 _ISO_DURATION = re.compile(r"^P(?:T)?(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?$")
@@ -75,17 +75,22 @@ class VideoLayout(ABC):
 
     def __init__(self, data_root: str) -> None:
         self.data_root = data_root
+        self.storage_options: dict[str, Any] | None = None  # for URLs; set by the source
 
     def manifest_files(self, manifest: str | list[str]) -> list[str]:
         """Each manifest file, relative to ``data_root`` unless absolute; an error if one is not a file."""
         files = []
         for name in [manifest] if isinstance(manifest, str) else manifest:
-            path = Path(name)
-            path = path if path.is_absolute() else Path(self.data_root) / path
-            if not path.is_file():
+            path = join_location(self.data_root, name)
+            options = self.storage_options if is_url(path) else None
+            if not storage_path(path, options).is_file():
                 raise ValueError(f"video manifest {name} ({self.name} layout) is not a file: {path} does not exist")
-            files.append(str(path))
+            files.append(path)
         return files
+
+    def load_manifest(self, path: str, split: str, name: Any = None, data_files: Any = None, **kwargs: Any) -> Any:
+        """``load_split`` with this layout's ``storage_options``."""
+        return load_split(path, split, name, data_files, kwargs or None, storage_options=self.storage_options)
 
     @abstractmethod
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
@@ -126,7 +131,7 @@ class WebVidLayout(VideoLayout):
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         files = self.manifest_files(manifest)
-        dataset = load_split("csv", "train", None, files)
+        dataset = self.load_manifest("csv", "train", None, files)
         _require_columns(dataset, ["videoid", "name"], manifest, self.name)
         n, ext = self.id_prefix_len, self.extension
         has_duration = "duration" in dataset.column_names
@@ -169,7 +174,7 @@ class FolderLayout(VideoLayout):
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         files = self.manifest_files(manifest)
-        dataset = load_split("json", "train", None, files)
+        dataset = self.load_manifest("json", "train", None, files)
         return standard_columns(dataset, self.keys, manifest, self.name)
 
 
@@ -219,7 +224,7 @@ class HFLayout(VideoLayout):
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         # The training manifest names the dataset; a validation manifest names a split of it.
         path, split = (manifest, self.split) if train_manifest is None else (train_manifest, manifest)
-        dataset = load_split(str(path), str(split), self.config_name, self.data_files, self.load_kwargs)
+        dataset = self.load_manifest(str(path), str(split), self.config_name, self.data_files, **self.load_kwargs)
         return standard_columns(dataset, self.keys, f"{path}:{split}", self.name)
 
 

@@ -4,7 +4,6 @@ the DataLoader's workers), turned into tensors per the batch contract in ``to_ba
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -12,6 +11,8 @@ import torch
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
+from datamodules.plan.storage import join_location
 from datamodules.vision.frame_sampling import FrameSampler
 from datamodules.vision.image_text_samples import RowSplit
 from datamodules.vision.images import ImagePixels, ResizeImage
@@ -46,7 +47,9 @@ class VideoSamples:
         on_broken_clip: str,
         name: str,
         details: dict[str, Any],
+        files: RemoteFiles = LOCAL_FILES,
     ) -> None:
+        self.files = files
         self.dataset = dataset
         self.split = split
         self.data_root = data_root
@@ -85,7 +88,7 @@ class VideoSamples:
     def _read(self, index: int, key: int) -> dict[str, Any]:
         row_index = int(self.split.rows(np.array([index]))[0])
         row = self.dataset[row_index]
-        path = os.path.join(self.data_root, row["video"])
+        path = join_location(self.data_root, row["video"])
         frames_shape = (self.sampler.max_frames, *self.pixels.shape)
         pixels = np.zeros(frames_shape, dtype=np.uint8)
         times = np.zeros(self.sampler.max_frames, dtype=np.float64)  # exact: the frame chosen is the nearest to it
@@ -97,7 +100,11 @@ class VideoSamples:
                 raise BadSample(bad[0])
             duration = row["duration"] if self._has["duration"] else None
             timestamps, frames = read_frames(
-                path, lambda info: self.sampler.timestamps(info.duration, info.frame_rate, key), self._frame, duration
+                path,
+                lambda info: self.sampler.timestamps(info.duration, info.frame_rate, key),
+                self._frame,
+                duration,
+                self.files,
             )
         except BadSample as err:
             where = f"{self.name} row {row_index} ({row['video']})"

@@ -11,6 +11,7 @@ from datamodules.plan.arguments import require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.remote_files import RemoteFiles
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.image_text_samples import RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
@@ -45,6 +46,10 @@ class VideoSource(SourceSpec):
         prompt: one prompt for every clip (a layout's prompt column, if given, wins).
         on_broken_clip: ``"mask"`` (default: the sample keeps its shape with no frame and no loss,
             counted and logged) or ``"raise"``.
+        storage_options: for a ``data_root`` or manifest that is a URL (``s3://``, ``gs://``, ...), the
+            fsspec filesystem's options (endpoint, credentials, ``anon``).
+        file_cache_dir, file_cache_bytes: a node-local folder keeping clips read by URL, and the most
+            bytes it holds (least recently used evicted first); default: no cache (clips read into memory).
     """
 
     data_root: str
@@ -66,9 +71,13 @@ class VideoSource(SourceSpec):
     add_bos: bool = False
     prompt: str = ""
     on_broken_clip: str = "mask"
+    storage_options: dict[str, Any] | None = None
+    file_cache_dir: str | None = None
+    file_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.data_root = str(self.data_root)
+        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
         require_int("image_size", self.image_size, 1)
         require_int("num_video_tokens", self.num_video_tokens, 0)
@@ -81,6 +90,7 @@ class VideoSource(SourceSpec):
                 f"give val_manifest ({self.val_manifest!r}) or val_fraction ({self.val_fraction}), not both"
             )
         self.layout = video_layout(self.dataset_type, self.data_root, dict(self.layout_options))
+        self.layout.storage_options = self.storage_options
         self.manifest = self.manifest or self.layout.default_manifest
         if self.manifest is None:
             raise ValueError(f"dataset_type {self.dataset_type!r} needs a manifest")
@@ -123,7 +133,7 @@ class VideoSource(SourceSpec):
             where = f"{self.manifest}:{split_name}"
             return VideoSamples(
                 dataset, split, self.data_root, self.sampler, pixels, labels, self.prompt, self.on_broken_clip,
-                where, details,
+                where, details, self.files,
             )  # fmt: skip
 
         train = self.layout.load(self.manifest)

@@ -180,34 +180,83 @@ def test_a_mixture_of_a_local_and_a_remote_source_reads_both(layouts: dict, endp
 
 
 def test_a_resumed_run_fetches_only_the_windows_it_trains_next(layouts: dict, proxy: S3Proxy) -> None:
+    """Resumed at step 40 with ``prefetch_steps=4``: after 5 batches, the windows of steps 40-47
+    (two groups) have been fetched, those of steps 48-51 may be on their way, and nothing else."""
     from datamodules.text.token_shards import TokenShards
 
     local, url = layouts["npy"]
-    seq_len, batch = 16, 4
-    dm = TokenShardDataModule(url, seq_len=seq_len, batch_size=batch, seed=5, storage_options=options(proxy.url))
+    seq_len, batch, group = 16, 4, 4
+    dm = TokenShardDataModule(
+        url, seq_len=seq_len, batch_size=batch, seed=5, storage_options=options(proxy.url), prefetch_steps=group
+    )
     dm.setup("fit")
     resume_at = 40 * batch  # a checkpoint at step 40
     dm.load_state_dict({**dm.state_dict(), "positions_consumed": resume_at})
-    proxy.requests.clear()
+    proxy.reset_counts()
     batches = iter(dm.train_dataloader())
     for _ in range(5):
         next(batches)
     # The tokens fetched, from the logged ranges.
     shards = TokenShards(local)
     fetched = np.zeros(shards.num_tokens, dtype=bool)
-    for path, header in proxy.requests:
+    for path, header in list(proxy.requests):
         i = next(i for i, shard in enumerate(shards._shards) if path.endswith("/" + shard.path.name))
         first, last = (int(x) for x in header.removeprefix("bytes=").split("-"))
         shard = shards._shards[i]
         lo = int(shards._starts[i]) + (first - shard.offset) // 2
         fetched[lo : lo + (last + 1 - first) // 2] = True
-    # What the plan puts at the resumed position and after, in the group read at once (16 steps).
-    _, windows = dm.plan.locate(np.arange(resume_at, resume_at + 16 * batch))
-    planned = np.zeros_like(fetched)
-    for window in windows.tolist():
-        planned[window * seq_len : window * seq_len + seq_len + 1] = True
-    assert fetched.any() and not (fetched & ~planned).any()
-    assert all(fetched[w * seq_len : w * seq_len + seq_len + 1].all() for w in windows.tolist())
+
+    def tokens_of_steps(steps: int) -> np.ndarray:
+        _, windows = dm.plan.locate(np.arange(resume_at, resume_at + steps * batch))
+        planned = np.zeros_like(fetched)
+        for window in windows.tolist():
+            planned[window * seq_len : window * seq_len + seq_len + 1] = True
+        return planned
+
+    assert not (fetched & ~tokens_of_steps(3 * group)).any()
+    assert (fetched | ~tokens_of_steps(2 * group)).all()
+
+
+def test_io_threads_bounds_the_requests_in_flight(tmp_path: Path, layouts: dict, endpoint: str) -> None:
+    slow = S3Proxy(endpoint, delay=0.05)  # a far-away bucket: requests overlap
+    try:
+        for io_threads in (2, 16):
+            dm = TokenShardDataModule(
+                layouts["npy"][1], seq_len=16, batch_size=8, storage_options=options(slow.url), io_threads=io_threads
+            )
+            dm.setup("fit")
+            slow.reset_counts()
+            next(iter(dm.train_dataloader()))
+            if io_threads == 2:
+                assert slow.most_in_flight == 2
+            else:
+                assert slow.most_in_flight > 2
+    finally:
+        slow.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_object_changed_under_the_run_is_refused(tmp_path: Path, endpoint: str, num_workers: int) -> None:
+    local = tmp_path / "changing"
+    local.mkdir()
+    tokens = np.arange(3_000, dtype=np.uint16)
+    np.save(local / "a.npy", tokens)
+    fs = s3fs.S3FileSystem(**options(endpoint))
+    url = f"s3://{BUCKET}/changing-{num_workers}"
+    fs.put(str(local), url.removeprefix("s3://"), recursive=True)
+    dm = TokenShardDataModule(url, seq_len=16, batch_size=4, storage_options=options(endpoint), num_workers=num_workers)
+    dm.setup("fit")
+    # Rewritten in place after setup: the same size, other tokens (a new ETag).
+    np.save(local / "a.npy", tokens[::-1].copy())
+    fs.put(str(local / "a.npy"), f"{url.removeprefix('s3://')}/a.npy")
+    with pytest.raises(Exception, match=r"a\.npy changed during the run: 6128 bytes, ETag .* now 6128 bytes"):
+        next(iter(dm.train_dataloader()))
+
+
+@pytest.mark.parametrize("argument", ["prefetch_steps", "io_threads"])
+def test_prefetch_steps_and_io_threads_must_be_positive_integers(argument: str) -> None:
+    with pytest.raises(ValueError, match=f"{argument} must be a positive integer, got 0"):
+        TokenShardDataModule("s3://bucket/corpus", seq_len=16, batch_size=4, **{argument: 0})
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -1,0 +1,145 @@
+"""Image-text, video and hidden-state sources read from an S3 server on 127.0.0.1 (moto): the same
+batches as from the same files on disk, with and without a node-local file cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from benchmarks.object_store.server import S3Proxy, create_bucket, s3_server, storage_options
+from datamodules import HiddenStatesDataModule, ImageTextDataModule, VideoDataModule
+from tests.speculative.speculative_data import speculative_dataset
+from tests.vision.image_data import image_folder, tokenizer_for
+from tests.vision.video_data import video_caption, video_folder
+
+s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+BUCKET = "media"
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with s3_server() as url:
+        create_bucket(url, BUCKET)
+        yield url
+
+
+def upload(endpoint: str, local: Path, key: str) -> str:
+    s3fs.S3FileSystem(**storage_options(endpoint)).put(str(local), f"{BUCKET}/{key}", recursive=True)
+    return f"s3://{BUCKET}/{key}"
+
+
+def same_batches(want: list[dict], got: list[dict]) -> None:
+    assert len(want) == len(got) > 0
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key], key
+
+
+def epochs(dm: object, count: int = 2) -> list[dict]:
+    dm.prepare_data()
+    dm.setup("fit")
+    return [batch for _ in range(count) for batch in dm.train_dataloader()]
+
+
+IMAGE_OPTIONS = {"max_text_len": 40, "batch_size": 4, "num_image_tokens": 4, "image_size": 16}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_image_text_from_a_saved_dataset_and_from_image_urls_equals_the_local_batches(
+    tmp_path: Path, endpoint: str, num_workers: int
+) -> None:
+    tokenizer = tokenizer_for(tmp_path / "tok")
+    folder = image_folder(tmp_path / "images", 8, prompts=False)
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".png", ".jpg"))
+    images_url = upload(endpoint, folder, f"images-{num_workers}")
+    texts = [f"caption of {name}" for name in names]
+    local_paths = datasets.Dataset.from_dict({"image": [str(folder / n) for n in names], "text": texts})
+    url_paths = datasets.Dataset.from_dict({"image": [f"{images_url}/{n}" for n in names], "text": texts})
+    local_paths.save_to_disk(tmp_path / "by-path")
+    url_paths.save_to_disk(tmp_path / "by-url")
+    saved_url = upload(endpoint, tmp_path / "by-url", f"by-url-{num_workers}")
+    common = {**IMAGE_OPTIONS, "tokenizer": tokenizer, "num_workers": num_workers}
+    want = epochs(ImageTextDataModule(str(tmp_path / "by-path"), **common))
+    proxy = S3Proxy(endpoint)
+    try:
+        remote = {"storage_options": storage_options(proxy.url)}
+        # The dataset on the server, its images too; then only the images, kept in a node-local cache.
+        same_batches(want, epochs(ImageTextDataModule(saved_url, **common, **remote)))
+        cached = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": 10**8}
+        proxy.reset_counts()
+        same_batches(want, epochs(ImageTextDataModule(str(tmp_path / "by-url"), **common, **remote, **cached)))
+        assert proxy.ranged_gets == len(names)  # the second epoch read the cache
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_video_clips_and_manifest_from_s3_equal_the_local_batches(
+    tmp_path: Path, endpoint: str, num_workers: int
+) -> None:
+    from examples.default_images import train_caption_tokenizer
+
+    texts = [f"{video_caption(i)} describe the clip" for i in range(50)]
+    tokenizer = str(train_caption_tokenizer(texts, tmp_path / "tokenizer", vocab_size=300))
+    root = video_folder(tmp_path / "videos", 6, broken={4: "corrupt"})
+    url = upload(endpoint, root, f"videos-{num_workers}")
+    common = {
+        "max_text_len": 24, "batch_size": 2, "image_size": 16, "frame_options": {"fps": 2.0}, "max_frames": 4,
+        "num_video_tokens": 2, "prompt": "describe the clip", "num_workers": num_workers,
+    }  # fmt: skip
+    want = epochs(VideoDataModule(str(root), tokenizer, **common))
+    remote = {"storage_options": storage_options(endpoint)}
+    same_batches(want, epochs(VideoDataModule(url, tokenizer, **common, **remote)))
+    cached = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": 10**8}
+    dm = VideoDataModule(url, tokenizer, **common, **remote, **cached)
+    same_batches(want, epochs(dm))
+    assert len(os.listdir(tmp_path / "cache")) >= 6  # every clip kept (and the cache's own files)
+    assert dm.source.files.cache_dir == str(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hidden_states_from_s3_equal_the_local_batches_and_a_missing_file_is_skipped_alike(
+    tmp_path: Path, endpoint: str, num_workers: int
+) -> None:
+    data_dir = speculative_dataset(tmp_path, 24)
+    (data_dir / "hidden_states" / "hs_5.safetensors").unlink()
+    url = upload(endpoint, data_dir, f"speculative-{num_workers}")
+    common = {"total_seq_len": 64, "on_missing": "skip", "num_workers": num_workers, "worker_start_method": "fork"}
+    local = HiddenStatesDataModule(str(data_dir), **common)
+    want = epochs(local)
+    remote = HiddenStatesDataModule(url, **common, storage_options=storage_options(endpoint))
+    same_batches(want, epochs(remote))
+    assert len(remote.bad_samples.reasons) == len(local.bad_samples.reasons) == 1
+
+
+def test_a_missing_bucket_or_folder_is_one_line_at_setup(tmp_path: Path, endpoint: str) -> None:
+    tokenizer = tokenizer_for(tmp_path / "tok")
+    dm = ImageTextDataModule(
+        f"s3://{BUCKET}/no-such-dataset",
+        tokenizer=tokenizer,
+        storage_options=storage_options(endpoint),
+        **IMAGE_OPTIONS,
+    )
+    with pytest.raises(ValueError, match=f"'s3://{BUCKET}/no-such-dataset' does not exist"):
+        dm.prepare_data()
+    video = VideoDataModule(
+        f"s3://{BUCKET}/no-such-videos",
+        tokenizer,
+        max_text_len=24,
+        batch_size=2,
+        storage_options=storage_options(endpoint),
+    )
+    with pytest.raises(ValueError, match=f"is not a file: s3://{BUCKET}/no-such-videos/captions.jsonl does not exist"):
+        video.prepare_data()
+    with pytest.raises(ValueError, match="is not a folder written by datasets' save_to_disk"):
+        HiddenStatesDataModule(
+            f"s3://{BUCKET}/no-such-data", total_seq_len=64, storage_options=storage_options(endpoint)
+        ).setup("fit")
