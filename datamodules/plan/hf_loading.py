@@ -66,8 +66,8 @@ def load_split(
         if not storage_path(path, storage_options).exists():
             raise error(f"{path!r} does not exist (or cannot be reached with the storage_options given)")
         raise error(
-            f"{path!r} is not a save_to_disk folder; for files at URLs, give a builder (\"parquet\", "
-            "\"json\", ...) as the path and the URLs as data_files"
+            f'{path!r} is not a save_to_disk folder; for files at URLs, give a builder ("parquet", '
+            '"json", ...) as the path and the URLs as data_files'
         )
     try:
         return datasets.load_dataset(

@@ -32,8 +32,9 @@ LOCAL_PROTOCOLS = ("", "file", "local")
 
 
 def is_url(location: str | os.PathLike) -> bool:
-    """Whether ``location`` names a remote filesystem (``file://`` and plain paths are local)."""
-    text = os.fspath(location)
+    """Whether ``location`` names a remote filesystem (``file://`` and plain paths are local); a
+    ``UPath`` (not ``os.PathLike``) reads as its URL."""
+    text = str(location)
     return "://" in text and urlparse(text).scheme not in LOCAL_PROTOCOLS
 
 

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,6 +31,7 @@ import numpy as np
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_pretrained
+from datamodules.plan.storage import is_url, storage_path
 from datamodules.text.prepare_inputs import (
     BadRows,
     Corpus,
@@ -195,8 +197,25 @@ def _partial_directory(output: Path) -> Path:
     return output.parent / f".{output.name}.partial-{host}-{os.getpid()}"
 
 
+def _upload(partial: Path, output: Path) -> None:
+    """Upload the finished ``partial`` to the remote folder ``output``, ``metadata.json`` last: a reader
+    finds no metadata, so no part, until every shard is there. What was there before goes first."""
+    fs, root = output.fs, output.path.rstrip("/")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+    files = sorted(p for p in partial.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == METADATA_FILE)  # stable: the metadata moves to the end
+    from tqdm.auto import tqdm
+
+    for path in tqdm(files, desc=f"uploading to {output}", unit="file", disable=len(files) < 2):
+        fs.put_file(str(path), f"{root}/{path.relative_to(partial).as_posix()}")
+
+
 def _publish(partial: Path, output: Path) -> None:
     """Rename the finished ``partial`` to ``output``, replacing what was there (with --overwrite)."""
+    if is_url(str(output)):
+        _upload(partial, output)
+        return
     if output.exists():
         replaced = output.parent / f".{output.name}.replaced-{os.getpid()}"
         output.rename(replaced)
@@ -222,12 +241,15 @@ def prepare(
     overwrite: bool = False,
     num_parts: int = 1,
     part_index: int = 0,
+    storage_options: dict[str, Any] | None = None,
 ) -> ShardMetadata:
     """Tokenize ``inputs`` (paths or hub names, or a ``Corpus``) into ``output`` (or its part
     directory); returns the metadata written.
 
     A finished output of the same inputs and options is returned untouched; one of other inputs or
-    options is refused unless ``overwrite``.
+    options is refused unless ``overwrite``. ``output`` may be a URL (``s3://bucket/corpus``, with
+    ``storage_options``): the output is written in a local temporary folder, then uploaded with its
+    ``metadata.json`` last, so a reader never takes half an upload for a part.
     """
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
     for name, value in (("num_proc", num_proc), ("shard_tokens", shard_tokens), ("num_parts", num_parts)):
@@ -238,7 +260,10 @@ def prepare(
     corpus = inputs if isinstance(inputs, Corpus) else resolve_inputs(list(inputs), split=split, glob=glob)
     if num_parts > 1:
         corpus = corpus.part(part_index, num_parts)
-    root = Path(output)
+    try:
+        root = storage_path(output, storage_options)
+    except (ImportError, ValueError) as err:
+        raise PrepareError(str(err)) from None
     output = root / PART_DIRECTORY.format(part_index) if num_parts > 1 else root
     if num_parts > 1 and (root / METADATA_FILE).exists() and not overwrite:
         raise PrepareError(f"{root} already holds a corpus prepared in one part; pass --overwrite or another --output")
@@ -253,8 +278,11 @@ def prepare(
         return existing
 
     document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos, separator=separator)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    partial = _partial_directory(output)
+    if is_url(output):
+        partial = Path(tempfile.mkdtemp(prefix=f"prepare-{output.name}-"))
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        partial = _partial_directory(output)
     try:
         metadata = _write(corpus, text_field, bad_rows, document_tokenizer, num_proc, partial, shard_tokens)
         metadata.source_fingerprint = fingerprint
@@ -332,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an output of other inputs or options")
     parser.add_argument("--num-parts", type=int, default=1, help="split the inputs into this many parts ...")
     parser.add_argument("--part-index", type=int, default=0, help="... and prepare this one into output/part-0000i")
+    parser.add_argument(
+        "--storage-options", type=json.loads, default=None, help="for a URL --output: fsspec options as JSON"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -350,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             overwrite=args.overwrite,
             num_parts=args.num_parts,
             part_index=args.part_index,
+            storage_options=args.storage_options,
         )
     except PrepareError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
