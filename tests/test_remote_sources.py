@@ -143,3 +143,30 @@ def test_a_missing_bucket_or_folder_is_one_line_at_setup(tmp_path: Path, endpoin
         HiddenStatesDataModule(
             f"s3://{BUCKET}/no-such-data", total_seq_len=64, storage_options=storage_options(endpoint)
         ).setup("fit")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_text_from_data_files_in_a_bucket_equals_the_local_batches(
+    tmp_path: Path, endpoint: str, streaming: bool
+) -> None:
+    from datamodules import HFTextDataModule
+    from examples.default_corpus import train_tokenizer
+
+    docs = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 4 + 1) for i in range(60)]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs))
+    tokenizer = str(train_tokenizer([tmp_path / "corpus.txt"], tmp_path / "tokenizer", vocab_size=300))
+    local = tmp_path / "docs.parquet"
+    datasets.Dataset.from_dict({"text": docs}).to_parquet(local, batch_size=20)
+    url = upload(endpoint, local, f"text-{streaming}/docs.parquet")
+    common = {"seq_len": 16, "batch_size": 2, "num_proc": 1, "streaming": streaming, "pack_sequences": True}
+    if streaming:  # each of 2 workers reads its own row groups, from the bucket
+        common.update(steps_per_epoch=6, num_workers=2)
+
+    def dm(data_files: str, cache: str, **kwargs: object) -> HFTextDataModule:
+        return HFTextDataModule(
+            "parquet", tokenizer, data_files=data_files, cache_dir=str(tmp_path / cache), **common, **kwargs
+        )
+
+    want = epochs(dm(str(local), "local"))
+    got = epochs(dm(url, "remote", storage_options=storage_options(endpoint)))
+    same_batches(want, got)

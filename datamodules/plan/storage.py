@@ -70,6 +70,20 @@ def join_location(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}" if is_url(root) else os.path.join(root, name)
 
 
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
+
+
+def open_remote(path: Path) -> Any:
+    """A ``UPath``'s file opened for reading through a filesystem object of this process: one made
+    before a fork (as a ``UPath`` keeps its own) would hang or fail in the child."""
+    protocol = str(path).split("://", 1)[0]
+    options = dict(getattr(path, "storage_options", {}) or {})
+    key = (os.getpid(), protocol, repr(sorted(options.items())))
+    if key not in _FILESYSTEMS:
+        _FILESYSTEMS[key] = fsspec.url_to_fs(f"{protocol}://", skip_instance_cache=True, **options)[0]
+    return _FILESYSTEMS[key].open(str(path), "rb")
+
+
 def read_range(path: Path, start: int, end: int) -> bytes:
     """Bytes ``[start, end)`` of a local or remote file (fewer past its end). For a URL, one ranged
     request: ``open()`` would read ahead a whole block (50 MB for s3fs) to serve a small read."""

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from datamodules.plan.storage import is_url, open_remote
 from datamodules.text.prepare_inputs import DatasetCorpus, PrepareError, file_stamp
 
 
@@ -83,15 +84,14 @@ class _RowRangeUnits(DocumentUnits):
 
 
 class ParquetUnits(_RowRangeUnits):
-    """Row groups of local parquet files; one row group is read per unit."""
+    """Row groups of parquet files, local or at URLs (``UPath``s); one row group is read per unit."""
 
     def __init__(self, files: list[Path], text_field: str) -> None:
-        import pyarrow.parquet as pq
 
         self.files = files
         groups = []
         for path in files:
-            metadata = pq.ParquetFile(path)
+            metadata = _parquet(path)
             if text_field not in metadata.schema_arrow.names:
                 raise ValueError(f"{path} has no column {text_field!r}; columns are {metadata.schema_arrow.names}")
             for group in range(metadata.num_row_groups):
@@ -103,14 +103,21 @@ class ParquetUnits(_RowRangeUnits):
         return ["parquet", self.text_field, *map(file_stamp, self.files)]
 
     def _read(self, table: int) -> list[Any]:
-        import pyarrow.parquet as pq
 
         path, group, _ = self._groups[table]
-        return pq.ParquetFile(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+        return _parquet(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
 
     def _name(self, table: int) -> str:
         path, group, _ = self._groups[table]
         return f"{path} row group {group}"
+
+
+def _parquet(path: Path) -> Any:
+    """A parquet file opened for reading; at a URL, through its fsspec file (footer and row groups
+    are ranged reads)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(open_remote(path) if is_url(path) else path)
 
 
 class SavedDatasetUnits(_RowRangeUnits):
@@ -176,9 +183,9 @@ def document_units(corpus: DatasetCorpus, text_field: str, block_rows: int) -> D
     if corpus.saved:
         units: DocumentUnits = SavedDatasetUnits(corpus, text_field, block_rows)
     elif corpus.path == "parquet" and corpus.data_files is not None:
-        files = corpus.local_files(split_only=True)
+        files = corpus.local_files(split_only=True) or corpus.remote_files(split_only=True)
         if not files:
-            raise PrepareError(f"data_files {corpus.data_files!r} match no local parquet file")
+            raise PrepareError(f"data_files {corpus.data_files!r} match no parquet file")
         units = ParquetUnits(files, text_field)
     else:
         units = StreamedUnits(corpus, text_field)

@@ -54,6 +54,9 @@ class HFTextSource(SourceSpec):
         add_bos: start every document with the tokenizer's BOS token (EOS always ends it).
         num_proc: tokenizer processes in ``prepare_data`` (default: CPU count, at most 8).
         load_kwargs: further ``load_dataset`` arguments, e.g. ``{"sample_by": "document"}``.
+        storage_options: for a ``path`` or ``data_files`` at URLs (``s3://``, ``gs://``, ...), the
+            fsspec filesystem's options, passed to ``datasets``. Remote files are keyed in the cache
+            by their names, as hub datasets are.
     """
 
     path: str
@@ -68,6 +71,7 @@ class HFTextSource(SourceSpec):
     add_bos: bool = False
     num_proc: int | None = None
     load_kwargs: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -80,7 +84,10 @@ class HFTextSource(SourceSpec):
     def _corpus(self, split: str) -> DatasetCorpus:
         files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files
         load_kwargs = tuple(sorted(self.load_kwargs.items()))
-        return DatasetCorpus(self.path, split, is_saved_dataset(self.path), self.name, files, load_kwargs)
+        saved = is_saved_dataset(self.path, self.storage_options)
+        return DatasetCorpus(
+            self.path, split, saved, self.name, files, load_kwargs, storage_options=self.storage_options
+        )
 
     def cache_path(self, split: str) -> Path:
         """The cache folder of ``split``: named for the dataset, keyed by everything behind its tokens."""
@@ -147,7 +154,8 @@ class HFTextDataModule(PlanDataModule):
 
     Args:
         path, tokenizer, name, split, data_files, text_field, val_split, val_fraction, cache_dir,
-            add_bos, num_proc, load_kwargs: see ``HFTextSource``.
+            add_bos, num_proc, load_kwargs, storage_options: see ``HFTextSource``; ``storage_options`` are
+            kept out of checkpoints.
         seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
         prepare_data_per_node: tokenize once per node (default; each node's ``cache_dir``), or
@@ -182,6 +190,7 @@ class HFTextDataModule(PlanDataModule):
         add_bos: bool = False,
         num_proc: int | None = None,
         load_kwargs: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
         pack_sequences: bool = False,
         prepare_data_per_node: bool = True,
         streaming: bool = False,
@@ -224,8 +233,9 @@ class HFTextDataModule(PlanDataModule):
             add_bos=add_bos,
             num_proc=num_proc,
             load_kwargs=dict(load_kwargs or {}),
+            storage_options=storage_options,
         )
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[HFTextSource]:
         return [] if self.streaming else [self.source]

@@ -18,7 +18,10 @@ from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import fsspec
+
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
+from datamodules.plan.storage import is_url, storage_path
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,8 @@ class BadRows:
 def file_stamp(path: Path, name: str | None = None) -> str:
     """``name:size:mtime`` of a file (``name`` defaults to its path): what says it is unchanged."""
     stat = path.stat()
-    return f"{path if name is None else name}:{stat.st_size}:{stat.st_mtime_ns}"
+    mtime = getattr(stat, "st_mtime_ns", None) or stat.st_mtime  # a file at a URL: its store's time
+    return f"{path if name is None else name}:{stat.st_size}:{mtime}"
 
 
 def _rows(path: str, batches: Iterable[list[Any]]) -> Iterator[tuple[str, Any]]:
@@ -233,6 +237,7 @@ class DatasetCorpus:
         config: ``load_dataset``'s ``name`` (the dataset configuration).
         data_files: ``load_dataset``'s ``data_files`` (local paths or globs, or remote ones).
         load_kwargs: further ``load_dataset`` arguments, e.g. ``{"sample_by": "document"}``.
+        storage_options: for URLs (``s3://``, ...), as ``datasets`` takes them; not part of the identity.
     """
 
     path: str
@@ -243,6 +248,7 @@ class DatasetCorpus:
     load_kwargs: tuple[tuple[str, Any], ...] = ()
     part_index: int = 0
     num_parts: int = 1
+    storage_options: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def names(self) -> list[str]:
         loader = "disk" if self.saved else "load"
@@ -258,15 +264,28 @@ class DatasetCorpus:
         """The local files behind the dataset (with ``split_only``, those ``data_files`` gives this split)."""
         if self.saved or Path(self.path).is_dir():
             return sorted(p for p in Path(self.path).rglob("*") if p.is_file())
+        patterns = [p for p in self._patterns(split_only) if not is_url(p)]
+        return sorted(
+            {Path(p) for pattern in patterns for p in expand_glob(pattern, recursive=True) if Path(p).is_file()}
+        )
+
+    def _patterns(self, split_only: bool) -> list[str]:
         files = self.data_files
         if isinstance(files, dict):
             values = [files.get(self.split, ())] if split_only else files.values()
         else:
             values = [files]
-        patterns = [p for v in values for p in ([v] if isinstance(v, str) else list(v or []))]
-        return sorted(
-            {Path(p) for pattern in patterns for p in expand_glob(pattern, recursive=True) if Path(p).is_file()}
-        )
+        return [p for v in values for p in ([v] if isinstance(v, str) else list(v or []))]
+
+    def remote_files(self, split_only: bool = False) -> list[Path]:
+        """The files at URLs that ``data_files`` names or matches (as ``UPath``s)."""
+        found = []
+        for pattern in self._patterns(split_only):
+            if is_url(pattern):
+                fs, path = fsspec.url_to_fs(pattern, **(self.storage_options or {}))
+                protocol = pattern.split("://", 1)[0]
+                found += [storage_path(f"{protocol}://{match}", self.storage_options) for match in fs.glob(path)]
+        return sorted(found, key=str)
 
     def identity(self) -> list[str]:
         # Local files by size and time; a hub dataset by its name (its revision is not checked).
@@ -285,6 +304,7 @@ class DatasetCorpus:
             dict(self.load_kwargs),
             streaming=not self.saved,
             error=PrepareError,
+            storage_options=self.storage_options,
         )
         if self.num_parts == 1:
             return loaded
