@@ -249,7 +249,8 @@ def prepare(
     A finished output of the same inputs and options is returned untouched; one of other inputs or
     options is refused unless ``overwrite``. ``output`` may be a URL (``s3://bucket/corpus``, with
     ``storage_options``): the output is written in a local temporary folder, then uploaded with its
-    ``metadata.json`` last, so a reader never takes half an upload for a part.
+    ``metadata.json`` last, so a reader never takes half an upload for a part. Inputs may be URLs
+    too, read with the same ``storage_options``.
     """
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
     for name, value in (("num_proc", num_proc), ("shard_tokens", shard_tokens), ("num_parts", num_parts)):
@@ -257,11 +258,15 @@ def prepare(
     if not 0 <= part_index < num_parts:
         raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
     bad_rows = BadRows(on_bad_row)
-    corpus = inputs if isinstance(inputs, Corpus) else resolve_inputs(list(inputs), split=split, glob=glob)
+    corpus = (
+        inputs
+        if isinstance(inputs, Corpus)
+        else resolve_inputs(list(inputs), split=split, glob=glob, storage_options=storage_options)
+    )
     if num_parts > 1:
         corpus = corpus.part(part_index, num_parts)
     try:
-        root = storage_path(output, storage_options)
+        root = storage_path(output, storage_options if is_url(output) else None)
     except (ImportError, ValueError) as err:
         raise PrepareError(str(err)) from None
     output = root / PART_DIRECTORY.format(part_index) if num_parts > 1 else root
@@ -361,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--num-parts", type=int, default=1, help="split the inputs into this many parts ...")
     parser.add_argument("--part-index", type=int, default=0, help="... and prepare this one into output/part-0000i")
     parser.add_argument(
-        "--storage-options", type=json.loads, default=None, help="for a URL --output: fsspec options as JSON"
+        "--storage-options", type=json.loads, default=None, help="for URL inputs or --output: fsspec options as JSON"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

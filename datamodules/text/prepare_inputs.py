@@ -115,11 +115,9 @@ def _rows(path: str, batches: Iterable[list[Any]]) -> Iterator[tuple[str, Any]]:
 _MISSING = object()
 
 
-def _open(path: str, compression: str | None) -> Any:
-    import fsspec
-
+def _open(path: str, compression: str | None, storage_options: dict[str, Any] | None = None) -> Any:
     try:
-        stream = fsspec.open(path, "rb", compression=compression).open()
+        stream = fsspec.open(path, "rb", compression=compression, **(storage_options or {})).open()
     except ValueError as err:  # fsspec names a codec whose library is not installed this way
         raise PrepareError(f"cannot open {path}: {err}") from None
     # Some decompressors (zstd) read but do not split lines; a buffer over them does both.
@@ -137,18 +135,22 @@ def _decode(data: bytes, where: str) -> str:
 
 @dataclass(frozen=True)
 class InputFile:
-    """One local file, read by its kind (``text``, ``json`` or ``parquet``), maybe compressed."""
+    """One file, local or at a URL, read by its kind (``text``, ``json`` or ``parquet``), maybe compressed."""
 
     path: str
     kind: str
     compression: str | None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def identity(self) -> str:
-        return file_stamp(Path(self.path))
+        return file_stamp(storage_path(self.path, self.storage_options if is_url(self.path) else None))
+
+    def _open(self) -> Any:
+        return _open(self.path, self.compression, self.storage_options if is_url(self.path) else None)
 
     def documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
         if self.kind == "text":
-            with _open(self.path, self.compression) as f:
+            with self._open() as f:
                 yield _decode(f.read(), self.path)
         elif self.kind == "json":
             yield from self._json_documents(text_field, bad_rows)
@@ -156,7 +158,7 @@ class InputFile:
             yield from self._parquet_documents(text_field, bad_rows)
 
     def _json_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
-        with _open(self.path, self.compression) as f:
+        with self._open() as f:
             head = f.read(1)
             while head.isspace():
                 head = f.read(1)
@@ -184,7 +186,7 @@ class InputFile:
     def _parquet_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
         import pyarrow.parquet as pq
 
-        with _open(self.path, self.compression) as f:
+        with self._open() as f:
             parquet = pq.ParquetFile(f)
             if text_field not in parquet.schema_arrow.names:
                 raise PrepareError(
@@ -324,14 +326,16 @@ class DatasetCorpus:
 Corpus = FileCorpus | DatasetCorpus
 
 
-def _input_file(path: Path) -> InputFile:
+def _input_file(path: Path, storage_options: dict[str, Any] | None = None) -> InputFile:
     kind, compression = _split_suffix(path.name)
     if kind is None:
         raise PrepareError(f"input {str(path)!r} has an unknown suffix; accepted: {accepted_suffixes()}")
-    return InputFile(str(path), kind, compression)
+    return InputFile(str(path), kind, compression, storage_options)
 
 
-def _directory_files(directory: Path, glob: str | None) -> list[InputFile]:
+def _directory_files(
+    directory: Path, glob: str | None, storage_options: dict[str, Any] | None = None
+) -> list[InputFile]:
     paths = sorted(
         p
         for p in directory.rglob(glob or "*")
@@ -352,24 +356,31 @@ def _directory_files(directory: Path, glob: str | None) -> list[InputFile]:
                 f"input directory {str(directory)!r} holds {what}; "
                 "choose the documents with --glob, e.g. '**/*.jsonl.gz'"
             )
-    return [_input_file(p) for p in paths]
+    return [_input_file(p, storage_options) for p in paths]
 
 
-def resolve_inputs(inputs: list[str], split: str = "train", glob: str | None = None) -> Corpus:
-    """The corpus that ``inputs`` name, checked for existence and kind without reading documents."""
+def resolve_inputs(
+    inputs: list[str], split: str = "train", glob: str | None = None, storage_options: dict[str, Any] | None = None
+) -> Corpus:
+    """The corpus that ``inputs`` (local paths, URLs read with ``storage_options``, a hub name) name,
+    checked for existence and kind without reading documents."""
     if not inputs:
         raise PrepareError("no inputs given")
     datasets_named = []
     files: list[InputFile] = []
     for value in map(str, inputs):
-        path = Path(value).expanduser()
-        if is_saved_dataset(path):
-            datasets_named.append(DatasetCorpus(str(path), split, saved=True))
+        remote = is_url(value)
+        try:
+            path = storage_path(value, storage_options) if remote else Path(value).expanduser()
+        except (ImportError, ValueError) as err:
+            raise PrepareError(str(err)) from None
+        if is_saved_dataset(path, storage_options):
+            datasets_named.append(DatasetCorpus(str(path), split, saved=True, storage_options=storage_options))
         elif path.is_dir():
-            files += _directory_files(path, glob)
+            files += _directory_files(path, glob, storage_options)
         elif path.is_file():
-            files.append(_input_file(path))
-        elif looks_like_hub_name(value):
+            files.append(_input_file(path, storage_options))
+        elif not remote and looks_like_hub_name(value):
             datasets_named.append(DatasetCorpus(value, split, saved=False))
         else:
             raise PrepareError(f"input path {value!r} does not exist")

@@ -83,3 +83,27 @@ def test_a_bucket_output_of_other_inputs_is_refused_unless_overwritten(
     prepare(files, tmp_path / "local", tokenizer, num_proc=1)
     remote, local = batches(url, storage_options=options), batches(str(tmp_path / "local"))
     assert [b["input_ids"].tolist() for b in remote] == [b["input_ids"].tolist() for b in local]
+
+
+def test_inputs_in_a_bucket_prepare_the_tokens_of_the_same_files_on_disk(
+    tmp_path: Path, tokenizer: str, proxy: S3Proxy
+) -> None:
+    import gzip
+
+    import s3fs
+
+    from datamodules import TokenShards
+    from tests.support import all_tokens
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"in{i}.jsonl.gz").write_bytes(gzip.compress(jsonl(DOCS[i * 13 : (i + 1) * 13])))
+    options = storage_options(proxy.url)
+    s3fs.S3FileSystem(**options).put(str(docs), f"{BUCKET}/inputs", recursive=True)
+    main([f"s3://{BUCKET}/inputs", "--output", str(tmp_path / "from-bucket"), "--tokenizer", tokenizer,
+          "--num-proc", "1", "--storage-options", json.dumps(options)])  # fmt: skip
+    prepare([str(docs)], tmp_path / "from-disk", tokenizer, num_proc=1)
+    remote, local = TokenShards(tmp_path / "from-bucket"), TokenShards(tmp_path / "from-disk")
+    assert remote.num_tokens == local.num_tokens > 0
+    assert (all_tokens(remote) == all_tokens(local)).all()
