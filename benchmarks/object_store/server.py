@@ -13,6 +13,7 @@ import http.server
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,7 +64,8 @@ class S3Proxy:
     answer; ``"truncated"``: half the body, then closed). ``ranged_gets``, ``bytes_sent`` (bodies of
     ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed;
     ``gets`` and ``get_bytes`` count every GET and its body, ranged or whole (a client that downloads
-    whole objects sends no Range); ``puts`` lists the object path of every PUT, in order.
+    whole objects sends no Range); ``puts`` lists the object path of every PUT, in order; ``methods``
+    counts requests by method.
     """
 
     def __init__(self, upstream: str, delay: float = 0.0) -> None:
@@ -75,6 +77,7 @@ class S3Proxy:
         self.get_bytes = 0
         self.requests: list[tuple[str, str]] = []
         self.puts: list[str] = []  # object path of every PUT, in order
+        self.methods: Counter[str] = Counter()  # requests by method (HEAD, GET, ...)
         self.most_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -88,6 +91,7 @@ class S3Proxy:
             self.ranged_gets = self.bytes_sent = self.gets = self.get_bytes = self.most_in_flight = 0
             self.requests.clear()
             self.puts.clear()
+            self.methods.clear()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -123,6 +127,7 @@ class S3Proxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
                 fault = None
                 with proxy._lock:
+                    proxy.methods[self.command] += 1
                     if self.command == "PUT":
                         proxy.puts.append(self.path.split("?")[0])
                     if ranged:

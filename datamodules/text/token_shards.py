@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.storage import RangeReader, is_url, read_range, storage_path
+from datamodules.plan.storage import RangeReader, is_url, read_ranges, storage_path
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
@@ -55,11 +55,20 @@ class _Layout:
     vocabulary: dict[str, Any] | None  # the tokenizer and EOS id that wrote the tokens, when recorded
 
 
-def _npy_shard(path: Path) -> _Shard:
-    """A 1-D ``.npy`` file as a shard, reading only its header."""
+def _npy_shards(paths: list[Path]) -> list[_Shard]:
+    """1-D ``.npy`` files as shards, reading only their headers (for URLs, all in one round of requests)."""
     try:
-        size = path.stat().st_size
-        f = io.BytesIO(read_range(path, 0, min(size, _NPY_HEAD)))
+        sizes = [path.stat().st_size for path in paths]
+        heads = read_ranges(paths, [0] * len(paths), [min(size, _NPY_HEAD) for size in sizes])
+    except OSError as err:
+        raise OSError(f"cannot read the headers of token shards in {paths[0].parent if paths else ''}: {err}") from None
+    return [_npy_shard(path, size, head) for path, size, head in zip(paths, sizes, heads, strict=True)]
+
+
+def _npy_shard(path: Path, size: int, head: bytes) -> _Shard:
+    """A 1-D ``.npy`` file of ``size`` bytes as a shard, from its first bytes ``head``."""
+    try:
+        f = io.BytesIO(head)
         version = np.lib.format.read_magic(f)
         header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, _, dtype = header(f)
@@ -86,11 +95,17 @@ def _bin_shard(path: Path, dtype: np.dtype) -> _Shard:
 def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
     # Names, sizes and both ends of every shard: cheap for thousands of files.
     h = hashlib.blake2b(digest_size=16)
+    paths, starts, ends = [], [], []
+    for shard in shards:
+        last = max(0, shard.offset + shard.num_tokens * itemsize - 4096)
+        paths += [shard.path, shard.path]
+        starts += [0, last]
+        ends += [4096, last + 4096]
+    ends_of = iter(read_ranges(paths, starts, ends))
     for shard in shards:
         h.update(f"{shard.path.name}:{shard.num_tokens}".encode())
-        end = shard.offset + shard.num_tokens * itemsize
-        h.update(read_range(shard.path, 0, 4096))
-        h.update(read_range(shard.path, max(0, end - 4096), max(0, end - 4096) + 4096))
+        h.update(next(ends_of))
+        h.update(next(ends_of))
     return h.hexdigest()
 
 
@@ -103,11 +118,15 @@ def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> 
     metadata = metadata or ShardMetadata.read(directory)
     dtype = np.dtype(metadata.dtype)
     shards = []
-    for info in metadata.shards:
-        path = directory / info.file
-        if not path.is_file():
+    # One listing names the files (and, for a URL, caches their sizes): no request per shard.
+    listed = {path.name for path in directory.iterdir()}
+    paths = [directory / info.file for info in metadata.shards]
+    for info, path in zip(metadata.shards, paths, strict=True):
+        if info.file not in listed or not path.is_file():
             raise FileNotFoundError(f"shard {info.file!r} listed in {directory / METADATA_FILE} is missing")
-        shard = _npy_shard(path) if path.suffix == ".npy" else _bin_shard(path, dtype)
+    npy = iter(_npy_shards([path for path in paths if path.suffix == ".npy"]))
+    for info, path in zip(metadata.shards, paths, strict=True):
+        shard = next(npy) if path.suffix == ".npy" else _bin_shard(path, dtype)
         if shard.dtype != dtype.name:
             raise ValueError(f"shard {path} has dtype {shard.dtype}, expected {dtype}")
         if shard.num_tokens != info.num_tokens:
@@ -157,7 +176,7 @@ def _npy_layout(directory: Path, file_pattern: str | None) -> _Layout:
     if not paths:
         where = f" matching {file_pattern!r}" if file_pattern else ""
         raise ValueError(f"no token shards (*.npy or *.bin){where} in {directory}")
-    shards = [_npy_shard(p) for p in paths]
+    shards = _npy_shards(paths)
     dtypes = {s.dtype for s in shards}
     if len(dtypes) != 1:
         raise ValueError(f"token shards in {directory} have several dtypes {sorted(dtypes)}")

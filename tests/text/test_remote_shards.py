@@ -236,7 +236,12 @@ def test_io_threads_bounds_the_requests_in_flight(tmp_path: Path, layouts: dict,
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_object_changed_under_the_run_is_refused(tmp_path: Path, endpoint: str, num_workers: int) -> None:
+def test_an_object_changed_under_the_run_is_refused(
+    tmp_path: Path,
+    layouts: dict,
+    endpoint: str,
+    num_workers: int,  # layouts: the bucket exists
+) -> None:
     local = tmp_path / "changing"
     local.mkdir()
     tokens = np.arange(3_000, dtype=np.uint16)
@@ -251,6 +256,27 @@ def test_an_object_changed_under_the_run_is_refused(tmp_path: Path, endpoint: st
     fs.put(str(local / "a.npy"), f"{url.removeprefix('s3://')}/a.npy")
     with pytest.raises(Exception, match=r"a\.npy changed during the run: 6128 bytes, ETag .* now 6128 bytes"):
         next(iter(dm.train_dataloader()))
+
+
+def test_the_sizes_and_etags_of_a_large_folder_come_from_listing_it_and_agree_with_each_head(
+    tmp_path: Path,
+    layouts: dict,
+    endpoint: str,
+    proxy: S3Proxy,  # layouts: the bucket exists
+) -> None:
+    from datamodules.text.token_shards import TokenShards
+
+    local = tmp_path / "many"
+    local.mkdir()
+    for i in range(24):
+        np.save(local / f"part_{i:02d}.npy", np.arange(500, dtype=np.uint16) + i)
+    s3fs.S3FileSystem(**options(endpoint)).put(str(local), f"{BUCKET}/many", recursive=True)
+    proxy.reset_counts()
+    remote = TokenShards(f"s3://{BUCKET}/many", storage_options=options(proxy.url))
+    assert proxy.methods["HEAD"] < 24  # the expected versions: one listing, not a HEAD per shard
+    starts = np.array([0, 5_000, 11_000], dtype=np.int64)  # three shards: checked by HEAD before reading
+    assert np.array_equal(remote.read_windows(starts, 50), TokenShards(local).read_windows(starts, 50))
+    assert len(remote._readers[0]._checked) == 3
 
 
 @pytest.mark.parametrize("argument", ["prefetch_steps", "io_threads"])
