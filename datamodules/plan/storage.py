@@ -96,15 +96,19 @@ def read_ranges(paths: list[Path], starts: list[int], ends: list[int]) -> list[b
 _FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
 
 
-def open_remote(path: Path) -> Any:
-    """A ``UPath``'s file opened for reading through a filesystem object of this process: one made
+def process_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of ``url``'s protocol with ``storage_options``, one per process: one made
     before a fork (as a ``UPath`` keeps its own) would hang or fail in the child."""
-    protocol = str(path).split("://", 1)[0]
-    options = dict(getattr(path, "storage_options", {}) or {})
+    protocol, options = urlparse(url).scheme, dict(storage_options or {})
     key = (os.getpid(), protocol, repr(sorted(options.items())))
     if key not in _FILESYSTEMS:
         _FILESYSTEMS[key] = fsspec.url_to_fs(f"{protocol}://", skip_instance_cache=True, **options)[0]
-    return _FILESYSTEMS[key].open(str(path), "rb")
+    return _FILESYSTEMS[key]
+
+
+def open_remote(path: Path) -> Any:
+    """A ``UPath``'s file opened for reading through this process's filesystem."""
+    return process_filesystem(str(path), getattr(path, "storage_options", None)).open(str(path), "rb")
 
 
 def read_range(path: Path, start: int, end: int) -> bytes:
@@ -151,19 +155,16 @@ class RangeReader:
         self.retries = 0  # ranges requested again in this process
         self.expected: dict[str, tuple[int, str | None]] = {}  # path -> (size, ETag) recorded at setup
         self._checked: dict[str, float] = {}  # path -> when this process last checked it
-        self._fs: Any = None
         self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_fs": None, "_pid": -1, "_checked": {}}
+        return {**self.__dict__, "_pid": -1, "_checked": {}}
 
     @property
     def fs(self) -> Any:
-        if self._pid != os.getpid():  # a new process (fork or spawn): its own client and event loop
-            self._fs = fsspec.url_to_fs(self.root, skip_instance_cache=True, **self.storage_options)[0]
-            self._pid = os.getpid()
-            self._checked = {}
-        return self._fs
+        if self._pid != os.getpid():  # a new process (fork or spawn): its own client, nothing checked yet
+            self._pid, self._checked = os.getpid(), {}
+        return process_filesystem(self.root, self.storage_options)
 
     def expect(self, paths: list[str]) -> None:
         """Record the size and ETag of ``paths`` now; reads refuse them if either changes."""
