@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-from datamodules.plan.storage import RangeReader, is_url, storage_path
+from datamodules.plan.storage import RangeReader, is_url, process_filesystem, storage_path
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class RemoteFiles:
         one (fetched into the cache first), or, without a cache, its bytes in memory."""
         if not is_url(location):
             return storage_path(location).open("rb")
-        url = os.fspath(location)
+        url = str(location)
         if self.cache_dir is None:
             return io.BytesIO(self._fetch(url))
         path = Path(self.cache_dir) / (hashlib.sha256(url.encode()).hexdigest()[:32] + Path(urlparse(url).path).suffix)
@@ -86,12 +86,12 @@ class RemoteFiles:
 
     def write_bytes(self, url: str, data: bytes) -> None:
         """Store ``data`` as the object ``url`` (one PUT: readers see the old object or the new one)."""
-        self._reader(url).fs.pipe_file(url, data)
+        process_filesystem(url, self.storage_options).pipe_file(url, data)
 
     def delete(self, url: str) -> None:
         """Delete the object ``url``, if there is one."""
         with contextlib.suppress(FileNotFoundError):
-            self._reader(url).fs.rm_file(url)
+            process_filesystem(url, self.storage_options).rm_file(url)
 
     def _reader(self, url: str) -> RangeReader:
         protocol = urlparse(url).scheme
