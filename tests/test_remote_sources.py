@@ -170,3 +170,17 @@ def test_hf_text_from_data_files_in_a_bucket_equals_the_local_batches(
     want = epochs(dm(str(local), "local"))
     got = epochs(dm(url, "remote", storage_options=storage_options(endpoint)))
     same_batches(want, got)
+
+
+def test_generated_hidden_states_are_kept_in_and_deleted_from_a_bucket(endpoint: str) -> None:
+    from datamodules.plan.remote_files import RemoteFiles
+    from datamodules.speculative.hidden_states_store import HiddenStateFiles
+
+    store = HiddenStateFiles(f"s3://{BUCKET}/generated/hidden_states", RemoteFiles(storage_options(endpoint)))
+    states = {"hidden_states": torch.randn(5, 2, 4), "token_ids": torch.arange(5)}
+    assert store.lookup(3) is None
+    store.cache(3, states)
+    found = store.lookup(3)
+    assert found is not None and all(torch.equal(found[key], states[key]) for key in states)
+    store.delete(store.describe(3))
+    assert store.lookup(3) is None
