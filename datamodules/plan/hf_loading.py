@@ -8,7 +8,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from datamodules.plan.storage import is_url, storage_path
+from datamodules.plan.storage import describe_error, is_url, storage_path
 
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 
@@ -26,6 +26,8 @@ def is_saved_dataset(path: str | Path, storage_options: dict[str, Any] | None = 
         return any((folder / marker).exists() for marker in SAVED_DATASET_MARKERS)
     except OSError:  # a hub or URL that cannot be reached: load_dataset tells why
         return False
+    except Exception as err:  # a store's own error (no credentials, ...): one line naming the URL
+        raise OSError(f"cannot read {str(path)!r}: {describe_error(err)}") from None
 
 
 def _is_builder(path: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-from datamodules.plan.storage import RangeReader, is_url, process_filesystem, storage_path
+from datamodules.plan.storage import RangeReader, describe_error, is_url, process_filesystem, storage_path
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,13 @@ class RemoteFiles:
         reader = self._reader(url)
         try:
             size = reader.fs.size(url)
+            return reader.read([url], [0], [size])[0] if size else b""
         except FileNotFoundError:
             raise FileNotFoundError(f"{url} does not exist") from None
-        return reader.read([url], [0], [size])[0] if size else b""
+        except OSError:
+            raise
+        except Exception as err:  # the store's own (no credentials, ...): one line naming the object
+            raise OSError(f"cannot read {url}: {describe_error(err)}") from None
 
     def _keep(self, path: Path, data: bytes) -> None:
         """Put ``data`` in the cache as ``path``, making room first; a file over the budget is not kept."""

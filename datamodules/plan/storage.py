@@ -56,6 +56,14 @@ def storage_path(location: str | os.PathLike, storage_options: dict[str, Any] | 
         raise ValueError(f"cannot read {location!r}: {err}. Is the fsspec package for {scheme}:// installed?") from None
 
 
+def describe_error(err: BaseException) -> str:
+    """A store's error in one line, with what to check where it is about credentials."""
+    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    if "credential" in text.lower() or isinstance(err, PermissionError):
+        text += " (check the key and secret in storage_options, or the environment's credentials)"
+    return text
+
+
 def object_version(info: dict[str, Any]) -> tuple[int, str | None]:
     """``(size, version tag)`` of a remote object from its fsspec ``info``: the ETag (S3, HTTP), or
     the generation (GCS) or modification time where a store has no ETag."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.storage import RangeReader, is_url, read_ranges, storage_path
+from datamodules.plan.storage import RangeReader, describe_error, is_url, read_ranges, storage_path
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 
@@ -276,10 +276,11 @@ class TokenShards:
                 reader.expect([str(shard.path) for shard in layout.shards])
         except ImportError as err:  # the URL's fsspec filesystem is not installed (gcsfs, ...)
             raise ImportError(f"cannot read token shards at {str(directory)!r}: {err}") from None
-        except (OSError, ValueError) as err:
+        except Exception as err:
             if reader is None or isinstance(err, FileNotFoundError | ValueError):
                 raise
-            raise OSError(f"cannot read token shards at {str(directory)!r}: {err}") from None
+            # The store's own errors (no credentials, access denied, ...): one line naming the URL.
+            raise OSError(f"cannot read token shards at {str(directory)!r}: {describe_error(err)}") from None
         self._set_layout(layout)
         self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
 

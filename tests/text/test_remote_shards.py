@@ -358,3 +358,19 @@ def test_setup_reads_headers_and_fingerprints_by_small_ranges(
         lengths.append(last + 1 - first)
     assert lengths and max(lengths) <= 16_384, lengths
     assert shards.fingerprint == TokenShards(local).fingerprint
+
+
+def test_missing_credentials_are_one_line_at_setup_naming_the_url(
+    layouts: dict, endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_keys = {"endpoint_url": endpoint, "client_kwargs": {"region_name": "us-east-1"}}
+    dm = TokenShardDataModule(layouts["npy"][1], seq_len=16, batch_size=4, storage_options=no_keys)
+    with pytest.raises(
+        OSError, match=r"cannot read token shards at 's3://corpora/npy': NoCredentialsError: .*check the key"
+    ):
+        dm.setup("fit")
