@@ -156,7 +156,7 @@ class RangeReader:
         backoff: float = 0.2,
     ) -> None:
         self.root = root
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = _pool_for(root, dict(storage_options or {}), io_threads)
         self.io_threads = io_threads
         self.attempts = attempts
         self.backoff = backoff
@@ -285,6 +285,16 @@ class RangeReader:
 
         with ThreadPoolExecutor(self.io_threads) as pool:
             return list(pool.map(cat, paths, starts, ends))
+
+
+def _pool_for(root: str, options: dict[str, Any], io_threads: int) -> dict[str, Any]:
+    """``options`` with room for ``io_threads`` connections: s3fs's client keeps 10 unless told (its
+    ``max_pool_connections``), which would cap the requests in flight below ``io_threads``."""
+    if urlparse(root).scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", max(io_threads, 10))
+        options = {**options, "config_kwargs": config}
+    return options
 
 
 async def _gather(coroutines: list[Any], limit: int) -> list[Any]:

@@ -227,10 +227,8 @@ def test_io_threads_bounds_the_requests_in_flight(tmp_path: Path, layouts: dict,
             dm.setup("fit")
             slow.reset_counts()
             next(iter(dm.train_dataloader()))
-            if io_threads == 2:
-                assert slow.most_in_flight == 2
-            else:
-                assert slow.most_in_flight > 2
+            # Reached and never passed: 16 is above the 10 connections s3fs's client keeps by default.
+            assert slow.most_in_flight == io_threads
     finally:
         slow.close()
 
