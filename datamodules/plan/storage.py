@@ -140,9 +140,10 @@ class RangeReader:
     exponential backoff with jitter; then the read fails with one message naming the object. A
     missing object or a refused permission is not retried.
 
-    Objects given to ``expect`` are checked against the size and ETag recorded then: by each process
-    before it first reads one, and again once ``verify_every`` seconds have passed (one HEAD per
-    object, all at once). An object that changed is refused: its windows would mix two versions.
+    Objects given to ``expect`` are checked against the size and ETag recorded then, whenever a read
+    of one comes ``verify_every`` seconds or more after its last check (in this process, or before it,
+    in the process that recorded it): one HEAD per due object, all at once. An object that changed is
+    refused: its windows would mix two versions.
     """
 
     verify_every = 600.0
@@ -162,21 +163,17 @@ class RangeReader:
         self.backoff = backoff
         self.retries = 0  # ranges requested again in this process
         self.expected: dict[str, tuple[int, str | None]] = {}  # path -> (size, ETag) recorded at setup
-        self._checked: dict[str, float] = {}  # path -> when this process last checked it
-        self._pid = -1
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": -1, "_checked": {}}
+        self._checked: dict[str, float] = {}  # path -> when it was last checked (time.monotonic)
 
     @property
     def fs(self) -> Any:
-        if self._pid != os.getpid():  # a new process (fork or spawn): its own client, nothing checked yet
-            self._pid, self._checked = os.getpid(), {}
+        """This process's filesystem (a new one after a fork or spawn)."""
         return process_filesystem(self.root, self.storage_options)
 
     def expect(self, paths: list[str]) -> None:
         """Record the size and ETag of ``paths`` now; reads refuse them if either changes."""
         self.expected.update(zip(paths, self._versions(paths), strict=True))
+        self._checked.update(dict.fromkeys(paths, time.monotonic()))
 
     def _versions(self, paths: list[str]) -> list[tuple[int, str | None]]:
         """Size and ETag of each path: from a listing of its folder where ``LIST_AT_LEAST`` or more of
@@ -193,6 +190,8 @@ class RangeReader:
                     (fs._strip_protocol(info["name"]), info) for info in fs.ls(folder, detail=True, refresh=True)
                 )
         rest = [key for key in keys if key not in infos]
+        for key in rest:  # a HEAD, not what an earlier listing left in the filesystem's cache
+            fs.invalidate_cache(key)
         if rest and getattr(fs, "async_impl", False):
             found = fsspec.asyn.sync(fs.loop, _gather, [fs._info(key) for key in rest], self.io_threads)
             infos.update(zip(rest, found, strict=True))
