@@ -56,6 +56,13 @@ def create_bucket(endpoint: str, bucket: str) -> None:
     ).create_bucket(Bucket=bucket)
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    # The standard library listens with a backlog of 5: a client opening 16 connections at once then
+    # sees SYNs dropped and re-sent a second later. S3 accepts as many as a client opens.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class S3Proxy:
     """An HTTP proxy on 127.0.0.1 in front of ``upstream``.
 
@@ -81,8 +88,7 @@ class S3Proxy:
         self.most_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler(urlparse(upstream)))
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), self._handler(urlparse(upstream)))
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
