@@ -20,8 +20,25 @@ from typing import Any
 import numpy as np
 
 RESULTS_DIR = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 50_257  # GPT-2's: fits uint16, like most token shards in practice
 _WRITE_CHUNK = 1 << 24  # tokens generated and written per step, so memory stays flat at any size
+
+
+def result_of(command: list[str], timeout: float) -> dict[str, Any]:
+    """Run ``command`` (a measurement in a fresh process, from the repository root) and return the JSON
+    it printed on a ``RESULT `` line, or ``{"error": ...}`` with its last line of stderr."""
+    import subprocess
+
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s"}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return {"error": (lines[-1] if lines else f"exit code {done.returncode}")[:300]}
 
 
 def write_token_shards(directory: Path, num_tokens: int, num_shards: int, seed: int = 0) -> list[Path]:

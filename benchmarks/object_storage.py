@@ -29,7 +29,6 @@ import importlib.util
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,13 +41,19 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import add_run_arguments, cached_token_shards, data_directory, report, results_directory
+from benchmarks.common import (
+    add_run_arguments,
+    cached_token_shards,
+    data_directory,
+    report,
+    result_of,
+    results_directory,
+)
 from benchmarks.object_store.floor import ByteRange, ShardLayout, floor_seconds, window_ranges
 from benchmarks.object_store.serve import StoreProcess
 from benchmarks.object_store.server import create_bucket, storage_options
 from datamodules import TokenShardDataModule
 
-ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "corpora"
 GROUP = 16  # micro-batches whose windows are requested in one round (ours: prefetch_steps, default 16)
 LABELS = {  # the contenders, in table order
@@ -139,15 +144,7 @@ def run_floor(bench: Bench, delay: int, workers: int) -> dict[str, float]:
 def litdata_process(task: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     """One litdata task in a fresh process; ``{"error": ...}`` with its last line if it failed."""
     command = [sys.executable, "-W", "ignore", "-m", "benchmarks.object_store.litdata_remote", json.dumps(task)]
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    return {"error": (lines[-1] if lines else f"exit code {done.returncode}")[:300]}
+    return result_of(command, timeout)
 
 
 def litdata_spec(bench: Bench, delay: int, workers: int, task: str) -> dict[str, Any]:

@@ -31,11 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import add_run_arguments, data_directory, report, results_directory
+from benchmarks.common import ROOT, add_run_arguments, data_directory, report, result_of, results_directory
 from benchmarks.peer_loaders.corpus import write_corpus
 from benchmarks.peer_loaders.protocol import Setup
 
-ROOT = Path(__file__).resolve().parent.parent
 MOSAIC_VENV = ROOT / "benchmarks" / ".venvs" / "mosaic"
 MOSAIC_INSTALL = ["torch==2.14.1", "mosaicml-streaming==0.13.0"]
 
@@ -95,16 +94,7 @@ def interpreters(create_venvs: bool) -> dict[str, str | None]:
 def task(python: str, module: str, setup: Setup, timeout: float, **fields: Any) -> dict[str, Any]:
     """One measurement in a fresh process; ``{"error": ...}`` with the peer's own message if it failed."""
     spec = json.dumps({"contender": module, "setup": asdict(setup), **fields})
-    command = [python, "-W", "ignore", "-m", "benchmarks.peer_loaders.protocol", spec]
-    try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s"}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    return {"error": (lines[-1] if lines else f"exit code {done.returncode}")[:300]}
+    return result_of([python, "-W", "ignore", "-m", "benchmarks.peer_loaders.protocol", spec], timeout)
 
 
 def median(values: list[float | None]) -> float | None:

@@ -112,7 +112,8 @@ def test_hidden_states_from_s3_equal_the_local_batches_and_a_missing_file_is_ski
     data_dir = speculative_dataset(tmp_path, 24)
     (data_dir / "hidden_states" / "hs_5.safetensors").unlink()
     url = upload(endpoint, data_dir, f"speculative-{num_workers}")
-    common = {"total_seq_len": 64, "on_missing": "skip", "num_workers": num_workers, "worker_start_method": "fork"}
+    # Workers spawned (this DataModule's default): each makes its own S3 client, none inherited.
+    common = {"total_seq_len": 64, "on_missing": "skip", "num_workers": num_workers}
     local = HiddenStatesDataModule(str(data_dir), **common)
     want = epochs(local)
     remote = HiddenStatesDataModule(url, **common, storage_options=storage_options(endpoint))
