@@ -4,14 +4,13 @@ batches as from the same files on disk, with and without a node-local file cache
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, s3_server, storage_options
+from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
 from datamodules import HiddenStatesDataModule, ImageTextDataModule, VideoDataModule
 from tests.speculative.speculative_data import speculative_dataset
 from tests.vision.image_data import image_folder, tokenizer_for
@@ -24,10 +23,10 @@ BUCKET = "media"
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with s3_server() as url:
-        create_bucket(url, BUCKET)
-        yield url
+def endpoint(endpoint: str) -> str:
+    """The session's S3 server, with this module's bucket."""
+    create_bucket(endpoint, BUCKET)
+    return endpoint
 
 
 def upload(endpoint: str, local: Path, key: str) -> str:

@@ -8,12 +8,11 @@ import multiprocessing
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, s3_server, storage_options
+from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
 from datamodules.plan.remote_files import RemoteFiles
 
 s3fs = pytest.importorskip("s3fs")
@@ -21,12 +20,6 @@ pytest.importorskip("moto.server")
 
 BUCKET = "files"
 SIZES = [3_000 + 997 * i for i in range(24)]
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with s3_server() as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

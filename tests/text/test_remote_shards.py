@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, s3_server, storage_options
+from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
 from datamodules import TokenShardDataModule
 from datamodules.text.shard_metadata import ShardMetadata
 from tests.support import make_token_shards
@@ -20,12 +20,6 @@ s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 BUCKET = "corpora"
-
-
-@pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
-    with s3_server() as url:
-        yield url
 
 
 options = storage_options
