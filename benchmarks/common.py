@@ -160,18 +160,27 @@ def _together_entry(work: Callable[..., float], args: tuple[Any, ...], start: An
     results.put(work(*args, ready=start.wait))
 
 
-def in_processes_at_once(work: Callable[..., float], args: tuple[Any, ...], processes: int) -> float:
-    """The sum of ``work(*args, ready=...)`` over ``processes`` spawned processes (fresh interpreters,
-    one torch thread each) that start timing together: ``work`` sets up, calls ``ready()``, then
-    returns its rate. What a loop alone gives on that many busy cores, the floor for that many workers."""
+def started_together(
+    work: Callable[..., float], args_per_process: list[tuple[Any, ...]], start_method: str = "spawn"
+) -> list[float]:
+    """``work(*args, ready=...)`` in one process per ``args`` (one torch thread each), all timing from
+    the same moment: ``work`` sets up, calls ``ready()``, then returns its measure. Their values, in the
+    order they finished."""
     import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
-    start, results = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=_together_entry, args=(work, args, start, results)) for _ in range(processes)]
+    context = multiprocessing.get_context(start_method)
+    start, results = context.Barrier(len(args_per_process)), context.Queue()
+    workers = [context.Process(target=_together_entry, args=(work, args, start, results)) for args in args_per_process]
     for worker in workers:
         worker.start()
-    total = sum(results.get() for _ in workers)
+    values = [results.get() for _ in workers]
     for worker in workers:
         worker.join()
-    return total
+    return values
+
+
+def in_processes_at_once(work: Callable[..., float], args: tuple[Any, ...], processes: int) -> float:
+    """The sum of ``work``'s rates over ``processes`` spawned processes (fresh interpreters) started
+    together (``started_together``): what a loop alone gives on that many busy cores, the floor for
+    that many workers."""
+    return sum(started_together(work, [args] * processes))

@@ -10,17 +10,16 @@ threads, all queued at once so the pool never idles, in one process or several a
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from fsspec.utils import merge_offset_ranges
 
+from benchmarks.common import started_together
 from benchmarks.object_store.server import KEY, REGION, SECRET
 
 ByteRange = tuple[str, int, int]  # (object key, first byte, end byte exclusive)
@@ -101,10 +100,6 @@ def _fetch_all(
     return elapsed
 
 
-def _process_entry(args: tuple, start: Any, results: Any) -> None:
-    results.put(_fetch_all(*args, ready=start.wait))
-
-
 def floor_seconds(endpoint: str, bucket: str, groups: list[list[ByteRange]], io_threads: int, processes: int) -> float:
     """Seconds to GET every range of ``groups``: in this process, or (``processes`` > 1) dealt group by
     group to that many processes that start together (as a DataLoader deals worker messages), each
@@ -112,16 +107,5 @@ def floor_seconds(endpoint: str, bucket: str, groups: list[list[ByteRange]], io_
     spawned process would import the benchmark's main module, torch and Lightning, first)."""
     if processes <= 1:
         return _fetch_all(endpoint, bucket, [r for group in groups for r in group], io_threads, ready=lambda: None)
-    context = multiprocessing.get_context("fork")
-    start, results = context.Barrier(processes), context.Queue()
     shares = [[r for group in groups[i::processes] for r in group] for i in range(processes)]
-    workers = [
-        context.Process(target=_process_entry, args=((endpoint, bucket, share, io_threads), start, results))
-        for share in shares
-    ]
-    for worker in workers:
-        worker.start()
-    slowest = max(results.get() for _ in workers)
-    for worker in workers:
-        worker.join()
-    return slowest
+    return max(started_together(_fetch_all, [(endpoint, bucket, share, io_threads) for share in shares], "fork"))
