@@ -87,7 +87,6 @@ class ParquetUnits(_RowRangeUnits):
     """Row groups of parquet files, local or at URLs (``UPath``s); one row group is read per unit."""
 
     def __init__(self, files: list[Path], text_field: str) -> None:
-
         self.files = files
         groups = []
         for path in files:
@@ -103,7 +102,6 @@ class ParquetUnits(_RowRangeUnits):
         return ["parquet", self.text_field, *map(file_stamp, self.files)]
 
     def _read(self, table: int) -> list[Any]:
-
         path, group, _ = self._groups[table]
         return _parquet(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
 
