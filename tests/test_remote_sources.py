@@ -145,6 +145,16 @@ def test_a_missing_bucket_or_folder_is_one_line_at_setup(tmp_path: Path, endpoin
         ).setup("fit")
 
 
+def test_a_url_folder_that_is_not_a_saved_dataset_says_how_to_read_files_at_urls(tmp_path: Path, endpoint: str) -> None:
+    folder = image_folder(tmp_path / "images", 2)
+    url = upload(endpoint, folder, "plain-folder")
+    dm = ImageTextDataModule(
+        url, tokenizer=tokenizer_for(tmp_path / "tok"), storage_options=storage_options(endpoint), **IMAGE_OPTIONS
+    )
+    with pytest.raises(ValueError, match=r"is not a save_to_disk folder; for files at URLs, give a builder"):
+        dm.prepare_data()
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_hf_text_from_data_files_in_a_bucket_equals_the_local_batches(
     tmp_path: Path, endpoint: str, streaming: bool
