@@ -1,7 +1,9 @@
-"""``MixtureDataModule``: named sources mixed by weight, exactly per global batch, phase by phase.
+"""``MixtureDataModule``: named sources mixed by weight, exactly per global batch and over the run.
 
-Each global batch (one optimizer step) holds the largest-remainder counts of the weights active at
-that step; the ``PhaseScheduler`` callback installs weight changes at exact steps.
+Each global batch (one optimizer step) holds every source's floor or ceiling of its share of the
+weights active at that step, chosen so that its count over the run tracks its weight within a few
+samples (``datamodules.plan.sample_plan``); the ``PhaseScheduler`` callback installs weight changes
+at exact steps.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ import numpy as np
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import Source, SourceSpec
-from datamodules.plan.sample_plan import SamplePlan, Segment, largest_remainder_counts
+from datamodules.plan.sample_plan import MIXING_RULE, SamplePlan, Segment
 
 log = logging.getLogger(__name__)
-
-# A source's share of every global batch may differ from its probability by this fraction of it
-# before a warning says so (whole samples per batch: 0.7 of 8 is 6, 75%).
-ROUNDING_TOLERANCE = 0.05
 
 
 @dataclass
@@ -68,8 +66,11 @@ class MixtureDataModule(PlanDataModule):
     """Mixes named sources by weight into every global batch, exactly.
 
     Every global batch (``batch_size x data-parallel size x accumulate_grad_batches`` samples, one
-    optimizer step) holds the largest-remainder counts of ``p_i ∝ w_i ** (1/T)`` for the weights
-    active at that step, in shuffled order. A source that runs out starts a new, freshly shuffled
+    optimizer step) holds ``floor(p_i G)`` or ``ceil(p_i G)`` samples of source ``i``, for
+    ``p_i ∝ w_i ** (1/T)`` of the weights active at that step, in shuffled order; which sources get
+    the ceiling varies from batch to batch so that each source's count over the run stays within a
+    few samples of ``p_i`` times the samples drawn, however small ``p_i`` (a weight of 0 is never
+    drawn). A source that runs out starts a new, freshly shuffled
     pass. Weights change at exact steps through the ``PhaseScheduler`` callback; resume is exact
     across a change, and elastic (a new data-parallel size continues at the saved position).
 
@@ -90,8 +91,6 @@ class MixtureDataModule(PlanDataModule):
                      MixtureComponent("code", 0.3, TokenShardSource("code/"))],
             seq_len=2048, batch_size=8)
     """
-
-    pad_to_epoch_end = False
 
     def __init__(
         self,
@@ -137,7 +136,6 @@ class MixtureDataModule(PlanDataModule):
         self.temperature = temperature
         self.pack_sequences = pack_sequences
         self.allow_mixed_tokenizers = allow_mixed_tokenizers
-        self._rounding_warned: set[tuple[int, tuple[int, ...]]] = set()
         self.base_weights = [float(c.weight) for c in components]
         self._check_weights(self.base_weights, "base weights")
         self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
@@ -183,70 +181,46 @@ class MixtureDataModule(PlanDataModule):
     def samples_per_step(self) -> list[dict[str, int]]:
         names = [c.name for c in self.components]
         steps = sorted({step for step, _ in self.phase_weights})
-        return [dict(zip(names, self.counts_at(step, self.global_batch_size), strict=True)) for step in steps]
+        most = [Segment(0, self.global_batch_size, self.probabilities_at(step)).most_per_block for step in steps]
+        return [dict(zip(names, counts, strict=True)) for counts in most]
 
     def plan_identity(self) -> dict[str, Any]:
-        return {**super().plan_identity(), "base_weights": self.base_weights, "temperature": self.temperature}
+        identity = {**super().plan_identity(), "base_weights": self.base_weights, "temperature": self.temperature}
+        return {**identity, "mixing": MIXING_RULE}
 
     def weights_at(self, step: int) -> list[float]:
         """The weights active at optimizer step ``step``."""
         return max((p for p in self.phase_weights if p[0] <= step), key=lambda p: p[0])[1]
 
-    def counts_at(self, step: int, block_size: int) -> tuple[int, ...]:
-        """Per-source samples in the global batch of optimizer step ``step``."""
-        return largest_remainder_counts(mixture_probabilities(self.weights_at(step), self.temperature), block_size)
+    def probabilities_at(self, step: int) -> tuple[float, ...]:
+        """The sampling probabilities at optimizer step ``step`` (the weights after temperature)."""
+        return mixture_probabilities(self.weights_at(step), self.temperature)
 
     def build_plan(self, position: int, step: int) -> SamplePlan:
         block = self.global_batch_size
         # The schedule already trained is kept verbatim (it may have had another block size); from
         # the resume position on, phases map to positions with this run's global batch size.
         segments = [s for s in self._saved_segments if s.first_position < position]
-        counts = self.counts_at(step, block)
+        probabilities = self.probabilities_at(step)
         if not segments:
-            segments = [Segment(0, block, counts)]
-        elif (segments[-1].block_size, segments[-1].counts) != (block, counts):
+            segments = [Segment(0, block, probabilities)]
+        elif (segments[-1].block_size, segments[-1].probabilities) != (block, probabilities):
             if (position - segments[-1].first_position) % segments[-1].block_size:
                 raise ValueError(
                     f"cannot resume a mixture at position {position}: it is not on an optimizer-step boundary "
                     f"of the checkpoint's global batch of {segments[-1].block_size}"
                 )
-            segments.append(Segment(position, block, counts))
+            segments.append(Segment(position, block, probabilities))
         for start_step, _ in self.phase_weights:
             if start_step > step:
                 segments.append(
-                    Segment(position + (start_step - step) * block, block, self.counts_at(start_step, block))
+                    Segment(position + (start_step - step) * block, block, self.probabilities_at(start_step))
                 )
-        for phase_step in [step] + [start for start, _ in self.phase_weights if start > step]:
-            self._warn_rounding(phase_step, block)
         plan = SamplePlan(tuple(self.sources), seed=self.seed, segments=tuple(segments))
         # A reloaded train loader (reload_dataloaders_every_n_epochs) rebuilds the plan mid-run: the
         # segments trained by then, this plan's, are its history; a checkpoint loaded later replaces them.
         self._saved_segments = list(plan.segments)
         return plan
-
-    def _warn_rounding(self, step: int, block: int) -> None:
-        """Warns (once per weights and block size) when whole counts per global batch move a source's
-        share more than 5% off its probability: every batch holds the same counts, so the run's
-        share is the rounded one."""
-        probabilities = mixture_probabilities(self.weights_at(step), self.temperature)
-        counts = self.counts_at(step, block)
-        shares = [count / block for count in counts]
-        key = (block, counts)
-        if key in self._rounding_warned or all(
-            abs(share - p) <= ROUNDING_TOLERANCE * p for share, p in zip(shares, probabilities, strict=True)
-        ):
-            return
-        self._rounding_warned.add(key)
-        described = ", ".join(
-            f"{c.name!r} {count} ({share:.1%}, asked {p:.1%})"
-            for c, count, share, p in zip(self.components, counts, shares, probabilities, strict=True)
-        )
-        log.warning(
-            "a global batch of %d holds whole samples of each source: %s. Every global batch holds these counts, "
-            "so the run's shares are these; a larger global batch (batch_size x ranks x accumulation) rounds closer",
-            block,
-            described,
-        )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Logs, on the first micro-batch of a logged step, each source's weight and what it has given."""

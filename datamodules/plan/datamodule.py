@@ -90,14 +90,11 @@ class PlanDataModule(LightningDataModule):
         self._anchor_positions = 0
         self._anchor_batches: int | None = None
         self._saved_segments: list[Segment] = []
+        self._epoch_end: int | None = None  # from a checkpoint: where the epoch in progress ends
         self._pending_state: dict[str, Any] | None = None
         self._stream: StreamTraining | None = None
         self._trained: TrainedSpans | None = None  # with batches out of order: which were trained
         self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
-
-    # A resume off the global-batch grid pads its epoch's last batch so the epoch ends where the
-    # plan's does. A mixture keeps whole batches instead: each global batch is one block of exact counts.
-    pad_to_epoch_end = True
 
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
@@ -226,7 +223,8 @@ class PlanDataModule(LightningDataModule):
             rank=self.dp_rank,
             num_batches=steps_per_epoch * self.accumulate_grad_batches,
             start_position=self._start_position,
-            pad_to_epoch_end=self.pad_to_epoch_end,
+            accumulate=self.accumulate_grad_batches,
+            epoch_end=self._current_epoch_end(steps_per_epoch),
         )
         if not self.in_order or self._resume_spans:
             # Batches are recorded as they are trained (``on_after_batch_transfer``), by their span.
@@ -238,18 +236,28 @@ class PlanDataModule(LightningDataModule):
         self._log_summary(steps_per_epoch)
         return self._loader(dataset, self._sampler)
 
+    def _current_epoch_end(self, steps_per_epoch: int) -> int:
+        """Where the epoch in progress ends: as the last loader or the checkpoint left it, else (a
+        checkpoint that did not say) the next multiple of this run's epoch."""
+        if self._sampler is not None:
+            return self._sampler.epoch_end
+        if self._epoch_end is not None:
+            return self._epoch_end
+        epoch = steps_per_epoch * self.global_batch_size
+        return -(-self._anchor_positions // epoch) * epoch
+
     def _align_epoch_progress(self) -> None:
         """On resume, restate Lightning's in-epoch batch count in this run's batches.
 
         Lightning restores how many batches of the epoch were done in the checkpoint's units; on
-        another number of ranks that would end the epoch early or late. The plan knows the truth:
-        the batches left from the resumed position to the plan's epoch end.
+        another number of ranks that would end the epoch early or late, or off an optimizer step. The
+        sampler knows the truth: the batches left, in whole optimizer steps, to the epoch's end.
         """
         epoch_loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
         if epoch_loop is None or not epoch_loop.restarting:
             return
         start, sampler, current = self._anchor_positions, self._sampler, epoch_loop.batch_progress.current
-        if start % sampler.epoch_positions == 0:  # an epoch boundary: finished, or not begun
+        if not sampler.resumes_epoch(start):  # an epoch boundary: finished, or not begun
             done = sampler.num_batches if current.processed > 0 else 0
         else:
             done = sampler.num_batches - sampler.batches_left(start) + len(sampler.skip)
@@ -402,7 +410,10 @@ class PlanDataModule(LightningDataModule):
         if self.sources is not None:
             state.update(plan_fingerprint=self._fingerprint(), plan=self.plan_identity())
         segments = self.plan.segments if self.plan is not None else self._saved_segments
-        state["segments"] = [[s.first_position, s.block_size, list(s.counts)] for s in segments]
+        state["segments"] = [[s.first_position, s.block_size, list(s.probabilities)] for s in segments]
+        epoch_end = self._sampler.epoch_end if self._sampler is not None else self._epoch_end
+        if epoch_end is not None:
+            state["epoch_end"] = epoch_end
         return state
 
     def _out_of_order_state(self) -> dict[str, Any]:
@@ -442,6 +453,7 @@ class PlanDataModule(LightningDataModule):
             )
         self._anchor_positions = int(state_dict["positions_consumed"])
         self._anchor_batches = None
+        self._sampler, self._epoch_end = None, state_dict.get("epoch_end")
         self._trained, self._resume_spans = None, []
         out_of_order = state_dict.get("trained_out_of_order")
         if out_of_order is not None:

@@ -89,12 +89,12 @@ class PlanDataset(Dataset):
             self._chunk = chunk_first, indices, passes = first, indices, passes
         return indices[first - chunk_first : stop - chunk_first], passes[first - chunk_first : stop - chunk_first]
 
-    def __getitem__(self, span: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """Samples at positions ``[first, stop)``; a third value (or ``limit``) pads positions from it on."""
+    def __getitem__(self, span: tuple[int, int]) -> dict[str, np.ndarray]:
+        """Samples at positions ``[first, stop)``; positions from ``limit`` on are padding."""
         indices, extra, valid = self._request(span)
         return self._finish(self.source.fetch(indices, **extra), span, valid)
 
-    def __getitems__(self, spans: list[tuple[int, ...]]) -> list[dict[str, np.ndarray]]:
+    def __getitems__(self, spans: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
         """The spans of one worker message (the DataLoader calls this when the dataset has it)."""
         fetch_many = getattr(self.source, "fetch_many", None)
         if fetch_many is None:
@@ -103,17 +103,17 @@ class PlanDataset(Dataset):
         raws = fetch_many([(indices, extra) for indices, extra, _ in requests])
         return [self._finish(raw, span, valid) for raw, span, (_, _, valid) in zip(raws, spans, requests, strict=True)]
 
-    def _finish(self, raw: dict[str, Any], span: tuple[int, ...], valid: np.ndarray | None) -> dict[str, Any]:
+    def _finish(self, raw: dict[str, Any], span: tuple[int, int], valid: np.ndarray | None) -> dict[str, Any]:
         if valid is not None:
             raw["valid"] = valid
         if self.tag_positions:
             raw[POSITION] = span[0]
         return raw
 
-    def _request(self, span: tuple[int, ...]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+    def _request(self, span: tuple[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         """``(indices, extra fetch arguments, valid)`` of a span; ``valid`` is ``None`` without padding."""
-        first, stop = span[:2]
-        limit = span[2] if len(span) > 2 else self.limit
+        first, stop = span
+        limit = self.limit
         valid = None
         if limit is None:
             indices, passes = self._indices(first, stop)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from datamodules import MixtureComponent, MixtureDataModule, PhaseScheduler, TokenShardSource
 from datamodules.mixture import mixture_probabilities
-from datamodules.plan.sample_plan import largest_remainder_counts
+from datamodules.plan.sample_plan import MIXING_RULE, Segment
 from datamodules.text.shard_metadata import ShardMetadata
 from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
 
@@ -62,9 +64,12 @@ def source_counts(record: dict) -> list[int]:
     return np.bincount([start // ID for start in record["starts"]], minlength=len(NAMES)).tolist()
 
 
-def expected_counts(weights: dict[str, float], temperature: float = 1.0) -> list[int]:
+def expected_counts(
+    weights: dict[str, float], temperature: float = 1.0, steps: int = 1, block_size: int = BATCH
+) -> list[list[int]]:
+    """Rows per source of the first ``steps`` global batches of a segment under ``weights``."""
     probabilities = mixture_probabilities([weights[n] for n in NAMES], temperature)
-    return list(largest_remainder_counts(probabilities, BATCH))
+    return Segment(0, block_size, probabilities).counts(np.arange(steps)).tolist()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -73,7 +78,7 @@ def test_every_batch_holds_the_active_counts_and_the_phase_switches_at_its_step(
 ) -> None:
     records = fit(shard_dirs, 12, num_workers)
     annealed = {**BASE, **PHASES[0]["dataset_weights"]}
-    assert expected_counts(BASE) == [5, 3, 2] and expected_counts(annealed) == [0, 3, 7]
+    assert expected_counts(BASE) == [[5, 3, 2]] and expected_counts(annealed) == [[0, 3, 7]]
     assert [source_counts(r) for r in records] == [[5, 3, 2]] * 5 + [[0, 3, 7]] * 7
 
 
@@ -86,7 +91,7 @@ def test_temperature_follows_the_formula_and_weight_zero_is_never_sampled(
     raw = np.array([0.6, 0.0, 0.4]) ** (1 / temperature)
     assert probabilities == pytest.approx(raw / raw.sum())
     records = fit(shard_dirs, 6, phases=None, weights=weights, temperature=temperature)
-    assert [source_counts(r) for r in records] == [expected_counts(weights, temperature)] * 6
+    assert [source_counts(r) for r in records] == expected_counts(weights, temperature, steps=6)
     assert all(source_counts(r)[1] == 0 for r in records)
 
 
@@ -129,7 +134,11 @@ def test_reloading_the_train_loader_every_epoch_keeps_the_trained_schedule(
     (ckpt,) = tmp_path.glob("*-step=3.ckpt")
     resumed = fit(shard_dirs, 115, batch_size=5, resume=ckpt)
     assert fit(shard_dirs, 115, batch_size=5, resume=ckpt, reload_every=1) == resumed
-    assert [source_counts(r) for r in resumed] == [[3, 1, 1]] * 2 + [[0, 2, 3]] * 110
+    # Half of 10 is 2.5 / 1.5 / 1 and 0 / 1.5 / 3.5: the halves alternate between floor and ceiling.
+    annealed = {**BASE, **PHASES[0]["dataset_weights"]}
+    expected = expected_counts(BASE, steps=2, block_size=5) + expected_counts(annealed, steps=110, block_size=5)
+    assert [source_counts(r) for r in resumed] == expected
+    assert {tuple(c) for c in expected} == {(3, 1, 1), (2, 2, 1), (0, 2, 3), (0, 1, 4)}
 
 
 def test_editing_a_phase_already_trained_is_refused(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
@@ -146,7 +155,8 @@ def test_phases_after_the_resumed_step_may_be_edited(tmp_path: Path, shard_dirs:
     later = [*PHASES, {"start_step": 9, "dataset_weights": {"b": 0.0}}]
     records = fit(shard_dirs, 11, phases=later, resume=ckpt)
     # Unnamed sources keep their base weight: a=0.5, b=0, c=0.2.
-    assert [source_counts(r) for r in records] == [[0, 3, 7]] * 2 + [[7, 0, 3]] * 2
+    later_weights = {"a": 0.5, "b": 0.0, "c": 0.2}
+    assert [source_counts(r) for r in records] == [[0, 3, 7]] * 2 + expected_counts(later_weights, steps=2)
 
 
 def test_changed_base_weights_are_refused_on_resume(tmp_path: Path, shard_dirs: dict[str, Path]) -> None:
@@ -252,7 +262,8 @@ def test_a_phase_taking_more_samples_per_batch_than_a_source_has_fails_at_setup(
         RecordingModel(),
         quiet_trainer(max_steps=3, callbacks=[PhaseScheduler(anneal_start_step=2, anneal_weights={"tiny": 10.0})]),
     )
-    with pytest.raises(ValueError, match=r"takes 9 samples of source 'tiny', which has only 5: rows would repeat"):
+    # 10 / 10.9 of 10 rows is 9.2: some batches hold 10.
+    with pytest.raises(ValueError, match=r"takes 10 samples of source 'tiny', which has only 5: rows would repeat"):
         trainer.fit(model, datamodule=dm)
     assert model.records == []
 
@@ -263,23 +274,38 @@ def test_checkpoints_load_with_weights_only_and_hold_plain_state(tmp_path: Path,
     checkpoint = torch.load(ckpt, weights_only=True)
     state = checkpoint["MixtureDataModule"]
     assert state["positions_consumed"] == 6 * BATCH
-    assert state["segments"] == [[0, BATCH, [5, 3, 2]], [5 * BATCH, BATCH, [0, 3, 7]]]
+    annealed = {**BASE, **PHASES[0]["dataset_weights"]}
+    probabilities = [list(mixture_probabilities([w[n] for n in NAMES], 1.0)) for w in (BASE, annealed)]
+    assert state["segments"] == [[0, BATCH, probabilities[0]], [5 * BATCH, BATCH, probabilities[1]]]
+    assert state["epoch_end"] == sum(SIZES.values()) // BATCH * BATCH
+    assert state["plan"]["mixing"] == MIXING_RULE
     (scheduler_state,) = [v for k, v in checkpoint["callbacks"].items() if k.startswith("PhaseScheduler")]
     assert scheduler_state["active_phase"] == 1 and scheduler_state["step"] == 6
 
 
-def test_a_global_batch_that_rounds_a_share_far_off_its_weight_is_warned_once(
-    shard_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture
+def test_a_checkpoint_of_the_earlier_mixing_rule_is_refused_with_the_change_named(
+    shard_dirs: dict[str, Path],
 ) -> None:
-    # 0.7/0.2/0.1 of 10: exactly 7/2/1, no warning. 0.66/0.22/0.12 of 10: 7/2/1 gives 'a' 70%
-    # (asked 66%, 6% off) and 'c' 10% (asked 12%).
-    for weights, warned in (({"a": 0.7, "b": 0.2, "c": 0.1}, False), ({"a": 0.66, "b": 0.22, "c": 0.12}, True)):
-        caplog.clear()
-        dm = make_dm(shard_dirs, weights)
-        dm.setup("fit")
-        dm.train_dataloader()
-        dm.train_dataloader()  # a reloaded loader rebuilds the plan: still one warning
-        messages = [r.getMessage() for r in caplog.records if "global batch of 10 holds whole samples" in r.message]
-        assert len(messages) == int(warned), messages
-        if warned:
-            assert "'a' 7 (70.0%, asked 66.0%)" in messages[0] and "'c' 1 (10.0%, asked 12.0%)" in messages[0]
+    """Plan 1 held the same largest-remainder counts in every batch: its positions hold other samples."""
+    dm = make_dm(shard_dirs)
+    dm.setup("fit")
+    dm.train_dataloader()
+    state = dm.state_dict()
+    identity = {k: v for k, v in state["plan"].items() if k != "mixing"}
+    digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+    old = {**state, "plan": identity, "plan_fingerprint": digest, "segments": [[0, BATCH, [5, 3, 2]]]}
+    old.pop("epoch_end")
+    resumed = make_dm(shard_dirs)
+    resumed.setup("fit")
+    with pytest.raises(ValueError, match=r"mixing: not recorded \(a checkpoint of an earlier version\) -> 'floor"):
+        resumed.load_state_dict(old)
+
+
+def test_shares_that_do_not_divide_the_global_batch_are_met_over_the_run(shard_dirs: dict[str, Path]) -> None:
+    """0.66 / 0.22 / 0.12 of 10 rows: every batch holds the floor or ceiling of each share (6-7, 2-3,
+    1-2), and 50 batches hold 330 / 110 / 60 rows, within a row; no warning is needed."""
+    weights = {"a": 0.66, "b": 0.22, "c": 0.12}
+    counts = np.array([source_counts(r) for r in fit(shard_dirs, 50, phases=None, weights=weights)])
+    assert counts.tolist() == expected_counts(weights, steps=50)
+    assert ((counts >= [6, 2, 1]) & (counts <= [7, 3, 2])).all() and (counts.sum(axis=1) == BATCH).all()
+    assert np.abs(counts.sum(axis=0) - [330, 110, 60]).max() <= 1

@@ -18,7 +18,7 @@ import pytest
 
 from datamodules import MixtureComponent, MixtureDataModule, SamplePlan, TokenShardSource
 from datamodules.mixture import mixture_probabilities
-from datamodules.plan.sample_plan import Segment, largest_remainder_counts
+from datamodules.plan.sample_plan import Segment
 from tests.distributed_support import Run, assert_positions_consumed_once, train_record
 from tests.support import make_mixture_shards
 
@@ -33,9 +33,13 @@ STEPS, K = 10, 3  # the checkpoint at step K is taken before the phase change
 ID = 10**6
 
 
-def counts(weights: dict[str, float], global_batch: int) -> list[int]:
-    """Largest-remainder rows per source of a global batch under ``weights``."""
-    return list(largest_remainder_counts(mixture_probabilities([weights[n] for n in NAMES], 1.0), global_batch))
+def probabilities(weights: dict[str, float]) -> tuple[float, ...]:
+    return mixture_probabilities([weights[n] for n in NAMES], 1.0)
+
+
+def counts(weights: dict[str, float], global_batch: int, block: int = 0) -> list[int]:
+    """Rows per source of a segment's ``block``-th global batch under ``weights``."""
+    return Segment(0, global_batch, probabilities(weights)).counts(np.array([block]))[0].tolist()
 
 
 def sample(start: int) -> tuple[int, int]:
@@ -139,9 +143,9 @@ def test_ddp_ranks_switch_weights_at_the_phase_step_and_every_global_batch_holds
     assert step_counts(reference, ranks=2) == expected
     # Row by row, each rank's slice of each global batch is the plan's, with the phase's segment
     # starting exactly at step 5's first position: no rank switched early or late.
-    assert [(s.first_position, s.block_size, s.counts) for s in fresh_plan.segments] == [
-        (0, 10, (5, 3, 2)),
-        (PHASE_STEP * 10, 10, (0, 3, 7)),
+    assert [(s.first_position, s.block_size, s.probabilities) for s in fresh_plan.segments] == [
+        (0, 10, probabilities(BASE)),
+        (PHASE_STEP * 10, 10, probabilities(ANNEALED)),
     ]
     assert_positions_consumed_once([consumed(reference, dp_size=2)], STEPS * 2 * BATCH, planned(fresh_plan))
 
@@ -153,11 +157,12 @@ def test_elastic_resume_on_1_rank_across_the_phase_change_consumes_every_positio
     assert (info["dp_size"], info["global_step"]) == (1, STEPS)
     steps = range(K, STEPS)
     assert [r["step"] for r in elastic_resumed.records(0)] == list(steps)
-    # After the resume a global batch is 5 rows: [3, 1, 1] of a, b, c, then [0, 2, 3] from step 5 exactly.
-    assert counts(BASE, BATCH) == [3, 1, 1] and counts(ANNEALED, BATCH) == [0, 2, 3]
+    # After the resume a global batch is 5 rows: 2.5 / 1.5 / 1 of a, b, c, then 0 / 1.5 / 3.5 from step 5
+    # exactly, each batch the floor or ceiling of every share.
     assert step_counts(elastic_resumed, ranks=1) == {
-        s: counts(BASE if s < PHASE_STEP else ANNEALED, BATCH) for s in steps
+        s: counts(BASE, BATCH, s - K) if s < PHASE_STEP else counts(ANNEALED, BATCH, s - PHASE_STEP) for s in steps
     }
+    assert [counts(BASE, BATCH, b) for b in range(2)] == [[2, 2, 1], [3, 1, 1]]
     assert lrs(elastic_resumed, 0) == expected_lrs(steps)
 
     before = consumed(reference, dp_size=2, before_step=K)
@@ -170,9 +175,9 @@ def test_elastic_resume_on_1_rank_across_the_phase_change_consumes_every_positio
         fresh_plan.sources,
         seed=SEED,
         segments=(
-            Segment(0, 2 * BATCH, tuple(counts(BASE, 2 * BATCH))),
-            Segment(K * 2 * BATCH, BATCH, tuple(counts(BASE, BATCH))),
-            Segment(K * 2 * BATCH + (PHASE_STEP - K) * BATCH, BATCH, tuple(counts(ANNEALED, BATCH))),
+            Segment(0, 2 * BATCH, probabilities(BASE)),
+            Segment(K * 2 * BATCH, BATCH, probabilities(BASE)),
+            Segment(K * 2 * BATCH + (PHASE_STEP - K) * BATCH, BATCH, probabilities(ANNEALED)),
         ),
     )
     assert_positions_consumed_once([before, after], total, planned(resumed_plan))

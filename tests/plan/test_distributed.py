@@ -216,47 +216,6 @@ def test_elastic_resume_of_a_2_rank_checkpoint_on_1_rank_consumes_every_position
     assert resumed.info(0)["positions_consumed"] == WINDOWS
 
 
-@pytest.fixture(scope="module")
-def single_rank_stopped(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    """A 1-rank run that checkpoints at step 3 and is "killed" 2 steps later.
-
-    The resume position (3 * 4 = 12) is not a multiple of a 2-rank global batch (8).
-    """
-    root = tmp_path_factory.mktemp("single_rank_stopped")
-    return train(shards, root, devices=1, max_steps=5, every_n_steps=3)
-
-
-def test_elastic_resume_of_a_1_rank_checkpoint_on_2_ranks_consumes_every_position_once(
-    single_rank_stopped: Run, shards: Path, tmp_path: Path, plan_windows
-) -> None:
-    k, steps = 3, 10
-    resumed = train(
-        shards, tmp_path, devices=2, strategy="ddp", max_steps=steps, resume=single_rank_stopped.checkpoint(k)
-    )
-    # 12 positions, then 7 global batches of 8 from 12: the last one ends at the epoch end (64) with
-    # rank 1's half as padding rows, so the plan's epoch ends where it would have on 1 rank.
-    total = WINDOWS
-    before = consumed(single_rank_stopped, dp_size=1, before_step=k)
-    after = consumed(resumed, dp_size=2, first_step=k, first_position=k * BATCH)
-    assert len(resumed.records(0)) == len(resumed.records(1)) == steps - k, "ranks trained different step counts"
-    assert_positions_consumed_once([before, after], total, plan_windows)
-    first_epoch = [w for p, w in {**before, **after}.items() if p < WINDOWS]
-    assert sorted(first_epoch) == list(range(WINDOWS))
-    assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == total
-
-
-def test_elastic_resume_on_more_ranks_with_max_epochs_finishes_the_epoch(
-    single_rank_stopped: Run, shards: Path, tmp_path: Path
-) -> None:
-    # Lightning restores "3 batches of this epoch done" in 1-rank batches; the DataModule restates it
-    # in 2-rank batches from the plan, so max_epochs=1 ends exactly at the plan's epoch end.
-    k = 3
-    resumed = train(shards, tmp_path, devices=2, strategy="ddp", max_epochs=1, resume=single_rank_stopped.checkpoint(k))
-    before = rank_windows(single_rank_stopped, 0, before_step=k)
-    assert sorted(before + rank_windows(resumed, 0) + rank_windows(resumed, 1)) == list(range(WINDOWS))
-    assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == WINDOWS
-
-
 def launch_mesh(strategy: str, shards: Path, out: Path) -> list[dict]:
     """Four processes, 2 "nodes" x 2 local ranks, started the way torchelastic starts them."""
     cmd = [sys.executable, str(SCRIPTS / "mesh_ranks.py"), "--strategy", strategy, "--data", str(shards)]

@@ -11,7 +11,6 @@ from datamodules.plan.sample_plan import (
     SamplePlan,
     Segment,
     describe_changes,
-    largest_remainder_counts,
 )
 
 
@@ -73,8 +72,8 @@ def test_a_source_without_samples_is_refused() -> None:
 def mixture(seed: int = 0) -> SamplePlan:
     sources = (PlannedSource("a", 100, "x"), PlannedSource("b", 30, "y"), PlannedSource("c", 7, "z"))
     segments = (
-        Segment(0, 10, largest_remainder_counts((0.5, 0.3, 0.2), 10)),
-        Segment(50, 16, largest_remainder_counts((0.0, 0.25, 0.75), 16)),
+        Segment(0, 10, (0.5, 0.3, 0.2)),
+        Segment(50, 16, (0.0, 0.25, 0.75)),
     )
     return SamplePlan(sources, seed=seed, segments=segments)
 
@@ -111,19 +110,7 @@ def test_mixture_locate_is_pure_and_seekable_in_any_grouping() -> None:
     assert np.array_equal(together[1], np.concatenate([i for _, i in pieces]))
 
 
-@pytest.mark.parametrize(
-    ("probabilities", "total", "expected"),
-    [((0.5, 0.5), 8, (4, 4)), ((0.0, 1 / 3, 2 / 3), 8, (0, 3, 5)), ((0.1, 0.1, 0.8), 3, (0, 0, 3)), ((1.0,), 5, (5,))],
-)
-def test_largest_remainder_counts_sum_to_the_block_and_never_pick_weight_zero(
-    probabilities: tuple, total: int, expected: tuple
-) -> None:
-    counts = largest_remainder_counts(probabilities, total)
-    assert counts == expected
-    assert all(abs(c - p * total) < 1 for c, p in zip(counts, probabilities, strict=True))
-
-
 def test_a_segment_not_on_a_block_boundary_is_refused() -> None:
     sources = (PlannedSource("a", 10, "x"), PlannedSource("b", 10, "y"))
     with pytest.raises(ValueError, match="must start a whole number of blocks of 4"):
-        SamplePlan(sources, segments=(Segment(0, 4, (2, 2)), Segment(6, 4, (1, 3))))
+        SamplePlan(sources, segments=(Segment(0, 4, (0.5, 0.5)), Segment(6, 4, (0.25, 0.75))))

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     parser.add_argument("--root", required=True, help="default_root_dir of the Trainer")
     parser.add_argument("--record", required=True, help="per-rank batch records: {record}.rank{r}")
     parser.add_argument("--info", help="per-rank run facts as JSON: {info}.rank{r}")
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         strategy=args.strategy,
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,
+        accumulate_grad_batches=args.accumulate,
         default_root_dir=args.root,
         callbacks=callbacks,
         logger=False,

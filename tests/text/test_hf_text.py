@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from datamodules import HFTextDataModule, HFTextSource, MixtureComponent, MixtureDataModule, TokenShards
-from datamodules.plan.sample_plan import largest_remainder_counts
 from datamodules.text.prepare import prepare
 from datamodules.text.prepare_inputs import PrepareError
 from examples.default_corpus import train_tokenizer
@@ -150,7 +149,7 @@ def test_an_hf_source_in_a_mixture_keeps_the_exact_counts_of_every_batch(tmp_pat
     for name, source in (("a", a), ("b", b)):
         train, _ = source.build(SEQ_LEN, False)
         windows[name] = {tuple(row) for row in train.fetch(np.arange(len(train)))["tokens"][:, :-1].tolist()}
-    expected = largest_remainder_counts((0.7, 0.3), 10)
+    expected = (7, 3)  # 0.7 and 0.3 of every global batch of 10
     for batch in dm.train_dataloader():
         rows = [tuple(r) for r in batch["input_ids"].tolist()]
         assert (sum(r in windows["a"] for r in rows), sum(r in windows["b"] for r in rows)) == expected
