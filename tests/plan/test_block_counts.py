@@ -11,6 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
+from datamodules.plan import sample_plan
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, floor_sum
 
 BLOCK_SIZES = (8, 64, 256, 4096)
@@ -122,6 +123,27 @@ def test_locate_agrees_with_samples_drawn_near_and_far() -> None:
             range(before[s], before[s] + (block_sources == s).sum())
         )
     assert np.array_equal(plan.samples_drawn(first + 8), before + np.bincount(block_sources, minlength=5))
+
+
+def test_locate_agrees_with_samples_drawn_on_random_mixtures() -> None:
+    for probabilities, block_size in CASES[::20]:
+        sizes = [block_size + 7 * i for i in range(len(probabilities))]
+        sources = tuple(PlannedSource(f"s{i}", n, "x") for i, n in enumerate(sizes))
+        plan = SamplePlan(sources, seed=1, segments=(Segment(0, block_size, probabilities),))
+        located, _ = plan.locate(np.arange(block_size * 40))
+        for blocks in (1, 13, 40):
+            counted = np.bincount(located[: blocks * block_size], minlength=len(sizes))
+            assert np.array_equal(plan.samples_drawn(blocks * block_size), counted)
+
+
+def test_the_offsets_step_by_the_golden_ratios_fibonacci_approximation() -> None:
+    """The discrepancy bound rests on a continued fraction of all ones: consecutive Fibonacci numbers."""
+    quotients, (a, b) = [], (sample_plan._PERIOD, sample_plan._STEP)
+    while b:
+        quotients.append(a // b)
+        a, b = b, a % b
+    assert quotients[:-1] == [1] * (len(quotients) - 1) and quotients[-1] == 2 and a == 1
+    assert sample_plan._PERIOD > 10**12  # no repetition within the runs the bound is stated for
 
 
 @pytest.mark.parametrize(("n", "m", "a", "b"), [(1, 1, 0, 0), (7, 3, 2, 5), (100, 17, 40, 3), (64, 2**64, 3, 2**63)])

@@ -208,3 +208,34 @@ def test_a_mixture_resumed_mid_phase_on_2_ranks_repeats_the_uninterrupted_run(
     for rank in range(2):
         expected = [r for r in mixture_two_ranks.records(rank) if r["step"] >= MIX_RESTART]
         assert [r["digest"] for r in resumed.records(rank)] == [r["digest"] for r in expected], f"rank {rank}"
+
+
+SMALL = {"web": 60 * SEQ_LEN + 1, "code": 30 * SEQ_LEN + 1, "math": 10 * SEQ_LEN + 1}  # 100 windows
+
+
+def test_a_mixture_resumed_on_more_ranks_with_max_epochs_ends_its_epoch_on_whole_global_batches(
+    tmp_path: Path,
+) -> None:
+    """100 windows, weights 0.5 / 0.25 / 0.25, no workers: an epoch is 12 steps of 8 on 1 rank. Stopped at
+    step 5 (position 40) and resumed on 2 ranks (global batch 16) with max_epochs=1: the epoch ends at 96
+    rounded up to whole steps, [40, 104), every global batch of 16 with its due counts."""
+    dirs = {
+        name: make_token_shards(tmp_path / name, tokens, first_value=i * ID)
+        for i, (name, tokens) in enumerate(SMALL.items())
+    }
+    mixture = ",".join(f"{n}={dirs[n]}:{w}" for n, w in MIX_WEIGHTS.items())
+    base = ["--mixture", mixture, "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--accumulate", "2"]
+    stopped = train_record([*base, "--max-steps", "7", "--every-n-steps", "5"], tmp_path / "stopped")
+    ddp = ["--devices", "2", "--strategy", "ddp", "--max-epochs", "1", "--resume", str(stopped.checkpoint(5))]
+    resumed = train_record([*base, *ddp], tmp_path / "resumed")
+    after = consumed(resumed, 2, 40, row_sample)
+    assert sorted(after) == list(range(40, 104))
+    # Two micro-batches a step, aligned with the blocks of 16: the optimizer steps at every block's end.
+    assert [r["step"] for r in resumed.records(0)] == [5 + i // 2 for i in range(8)]
+    sizes = {name: (tokens - 1) // SEQ_LEN for name, tokens in SMALL.items()}
+    sources = tuple(PlannedSource(name, n, "") for name, n in sizes.items())
+    plan = SamplePlan(sources, segments=(Segment(0, 8, probabilities(0)), Segment(40, 16, probabilities(0))))
+    before = {p: s for p, s in consumed(stopped, 1, 0, row_sample).items() if p < 40}
+    planned = lambda n: list(zip(*(a.tolist() for a in plan.locate(np.arange(n))), strict=True))  # noqa: E731
+    assert_positions_consumed_once([before, after], 104, planned)
+    assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == 104
