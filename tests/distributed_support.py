@@ -139,6 +139,18 @@ class Run:
         return [digest for line in path.read_text().splitlines() for digest in json.loads(line)]
 
 
+def rows_by_position(run: Run, dp_size: int, batch_size: int, first_position: int = 0, **steps: int) -> dict[int, str]:
+    """``{plan position: row digest}`` of every row ``run`` trained (``Run.rows`` with ``steps``): rank ``r``'s
+    micro-batch ``i`` covers ``batch_size`` positions from ``first_position + (i * dp_size + r) * batch_size``."""
+    out: dict[int, str] = {}
+    for rank in range(dp_size):
+        rows = run.rows(rank, **steps)
+        for j, digest in enumerate(rows):
+            i, offset = divmod(j, batch_size)
+            out[first_position + (i * dp_size + rank) * batch_size + offset] = digest
+    return out
+
+
 def train_record(args: list[str], root: Path, num_nodes: int = 1, failing_ranks: int = 0) -> Run:
     """Run ``train_record.py`` with ``args`` (plus its output paths under ``root``) and wait for it.
 

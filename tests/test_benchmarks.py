@@ -46,4 +46,6 @@ def check_peers(record: dict) -> None:
             assert (row["loader"], row["num_workers"]) in measured, row
     ours = [r for r in rows if r["loader"].startswith("ours")]
     assert len(ours) == 4 and all(r["exact resume"] == "yes" for r in ours), ours
-    assert all(r["max mixture deviation"] <= 0.5 for r in ours if "Mixture" in r["loader"]), ours
+    # 0.7 of 8 is 5.6: every batch holds 5 or 6 of source0, and the run holds 0.7 of its samples.
+    mixtures = [r for r in ours if "Mixture" in r["loader"]]
+    assert all(r["max mixture deviation"] < 1 and abs(r["source0 share"] - 0.7) < 0.005 for r in mixtures), ours
