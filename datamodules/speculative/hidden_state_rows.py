@@ -246,5 +246,5 @@ class HiddenStateRows:
         return batch if stop is None else {**batch, STOP: stop}
 
     def mask_rows(self, batch: Batch, invalid: torch.Tensor) -> None:
-        """Padding rows (a validation tail, a resume off the step grid) take no loss."""
+        """Padding rows (the tail of a validation split) take no loss."""
         batch["loss_mask"][invalid] = 0
