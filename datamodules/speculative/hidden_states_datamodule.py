@@ -35,8 +35,9 @@ def require_ratio(train_ratio: float) -> float:
 
 
 def train_rows(num_rows: int, train_ratio: float) -> int:
-    """Rows ``[0, k)`` train and ``[k, num_rows)`` validate: ``k`` is ``num_rows * train_ratio`` rounded half up."""
-    k = int(num_rows * require_ratio(train_ratio) + 0.5)
+    """Rows ``[0, k)`` train and ``[k, num_rows)`` validate, with ``k = int(num_rows * train_ratio)``:
+    speculators' split (``Eagle3SampleFileDataset``), so a user moving over keeps the same validation set."""
+    k = int(num_rows * require_ratio(train_ratio))
     if not 0 < k < num_rows:
         raise ValueError(
             f"train_ratio={train_ratio} of {num_rows} rows leaves {k} for training and {num_rows - k} for "
@@ -59,7 +60,7 @@ class HiddenStatesDataModule(PlanDataModule):
         data_dir: the ``save_to_disk`` folder.
         total_seq_len: tokens per packed row.
         hidden_states_dir: where the ``hs_{i}.safetensors`` files are; default ``data_dir/hidden_states``.
-        train_ratio: rows ``[0, n * train_ratio)`` (rounded half up) train, the rest validate; in (0, 1).
+        train_ratio: rows ``[0, int(n * train_ratio))`` train, the rest validate (speculators' split); in (0, 1).
         dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``: the hidden states' dtype.
         on_missing: states missing or not matching their tokens: ``"raise"`` (default), ``"skip"``
             (counted, logged once each), ``"warn"`` (each also logged when met) or ``"generate"``
@@ -242,6 +243,12 @@ class HiddenStatesDataModule(PlanDataModule):
 
     @property
     def bad_samples(self) -> BadSampleLog:
-        """Conversations not trained on in this process so far (missing or invalid states)."""
+        """Training conversations not trained on in this process so far (missing or invalid states)."""
         self._require_setup()
         return self._train.bad_samples
+
+    @property
+    def bad_validation_samples(self) -> BadSampleLog:
+        """Validation conversations not evaluated in this process so far (missing or invalid states)."""
+        self._require_setup()
+        return self._vals[0][1].bad_samples

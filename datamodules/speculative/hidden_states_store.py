@@ -116,6 +116,17 @@ def write_atomically(path: Path, states: States) -> None:
 STORES: dict[str, type[HiddenStatesStore]] = {"files": HiddenStateFiles}
 
 
+def token_mismatch(tokens: torch.Tensor, input_ids: torch.Tensor) -> str:
+    """How the states' ``token_ids`` differ from the row's ``input_ids``: the first position and both ids."""
+    common = min(len(tokens), len(input_ids))
+    differ = torch.nonzero(tokens[:common] != input_ids[:common])
+    counts = f"its {len(tokens)} token_ids are not the row's {len(input_ids)} input_ids"
+    if len(differ):
+        at = int(differ[0])
+        return f"{counts}: first differing at position {at}, {int(tokens[at])} vs {int(input_ids[at])}"
+    return f"{counts}: the first {common} agree, then one of them ends"
+
+
 def check_states(states: States, input_ids: torch.Tensor, layers: int | None, hidden_size: int | None) -> str | None:
     """Why ``states`` are not the hidden states of ``input_ids`` (``None`` when they are): the token
     ids differ, the shape is not ``[T, layers, hidden_size]``, or a value is not finite."""
@@ -123,7 +134,7 @@ def check_states(states: States, input_ids: torch.Tensor, layers: int | None, hi
         return f"holds {sorted(states)}, not 'hidden_states' and 'token_ids'"
     hidden, tokens = states["hidden_states"], states["token_ids"]
     if tokens.shape != input_ids.shape or not torch.equal(tokens.to(torch.int64), input_ids):
-        return f"its token_ids ({tokens.numel()} tokens) are not the row's input_ids ({input_ids.numel()} tokens)"
+        return token_mismatch(tokens.flatten().to(torch.int64), input_ids.flatten())
     if hidden.ndim != 3:
         return f"hidden_states has shape {tuple(hidden.shape)}, expected [T, layers, hidden]"
     expected = (len(input_ids), layers or hidden.shape[1], hidden_size or hidden.shape[2])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from datamodules import HiddenStatesDataModule
 from datamodules.plan.bad_samples import BadSample
 from datamodules.speculative.hidden_states_datamodule import train_rows
-from datamodules.speculative.preprocess import shift_tokens_left
+from datamodules.speculative.preprocess import rename_for_mtp, shift_tokens_left
 from tests.speculative.speculative_data import HIDDEN, conversations, speculative_dataset
 from tests.support import RecordingModel, batch_digest, quiet_trainer, real_rows, row_digest, sample_digests
 
@@ -107,7 +108,20 @@ def test_train_and_validation_rows_are_contiguous_complementary_and_disjoint(siz
         k = train_rows(size, ratio)
         train, val = set(range(k)), set(range(k, size))
         assert 0 < k < size and not train & val and train | val == set(range(size))
-        assert k == int(size * ratio + 0.5)
+        assert k == int(size * ratio)
+
+
+@pytest.mark.parametrize("size", [75, 77, 100])
+@pytest.mark.parametrize("ratio", [0.9, 0.98])
+def test_the_split_is_speculators_split(size: int, ratio: float) -> None:
+    """speculators trains on rows [0, int(N * ratio)): at N = 75, ratio 0.9, row 67 validates (67.5 rounds down)."""
+    assert train_rows(size, ratio) == {(75, 0.9): 67, (77, 0.9): 69, (100, 0.9): 90, (75, 0.98): 73,
+                                       (77, 0.98): 75, (100, 0.98): 98}[(size, ratio)]  # fmt: skip
+
+
+def test_a_ratio_that_leaves_a_split_empty_is_refused() -> None:
+    with pytest.raises(ValueError, match="train_ratio=0.05 of 10 rows leaves 0 for training and 10 for validation"):
+        train_rows(10, 0.05)
 
 
 def damage_states(data_dir: Path, row: int, how: str) -> Path:
@@ -146,6 +160,27 @@ def test_skipped_conversations_are_never_trained_on_and_counted(own_data: Path, 
     assert len(dm.bad_samples.reasons) == 2
     again = one_epoch(datamodule(own_data, on_missing="skip"))
     assert [batch_digest(b) for b in again] == [batch_digest(b) for b in epoch]
+
+
+def test_bad_validation_conversations_are_counted_apart_from_training_ones(own_data: Path) -> None:
+    damage_states(own_data, 28, "missing")  # rows [27, 30) validate
+    dm = datamodule(own_data, on_missing="skip")
+    validated = list(dm.val_dataloader())
+    assert list(dm.bad_validation_samples.reasons) == [str(own_data / "hidden_states" / "hs_28.safetensors")]
+    assert dm.bad_validation_samples.replacements == 1 and not dm.bad_samples.reasons
+    assert sum(int(b["loss_mask"].any(dim=1).sum()) for b in validated) >= 1
+
+
+def test_a_token_mismatch_names_the_first_differing_position_and_both_ids(own_data: Path) -> None:
+    path = own_data / "hidden_states" / "hs_4.safetensors"
+    states = load_file(str(path))
+    original = int(states["token_ids"][3])
+    states["token_ids"][3] = original + 1
+    save_file(states, str(path))
+    length = len(states["token_ids"])
+    expected = f"its {length} token_ids are not the row's {length} input_ids: first differing at position 3, "
+    with pytest.raises(BadSample, match=re.escape(expected + f"{original + 1} vs {original}")):
+        one_epoch(datamodule(own_data))
 
 
 def test_warn_logs_every_conversation_it_leaves_out(own_data: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -214,15 +249,34 @@ def test_noise_is_for_training_only_bounded_as_documented_and_the_same_on_every_
     assert torch.equal(again["hidden_states"], noisy["hidden_states"])
 
 
-def test_the_eagle3_shift_moves_tokens_one_left_within_each_conversation() -> None:
+def test_the_eagle3_shift_aligns_each_conversation_as_speculators_shift_batch() -> None:
+    """Two conversations of 3 and 2 tokens and a padding position; states hold 0, 10, 20, ... so every
+    value names the position it came from: (x[t+1], g[t], y[t+1], l[t+1], p[t+1]) inside a conversation,
+    the freed last position of each taking no loss, nothing crossing into the next conversation."""
+    positions = torch.arange(6)
     batch = {
         "input_ids": torch.tensor([[5, 6, 7, 8, 9, 0]]),
-        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 0]]),
+        "hidden_states": (positions * 10.0).view(1, 6, 1, 1).repeat(1, 1, 2, 3),
+        "verifier_last_hidden_states": (positions * 10.0 + 1).view(1, 6, 1).repeat(1, 1, 3),
+        "loss_mask": torch.tensor([[1, 0, 1, 1, 1, 0]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]]),
         "document_ids": torch.tensor([[0, 0, 0, 1, 1, -1]]),
     }
     shifted = shift_tokens_left(batch)
     assert shifted["input_ids"].tolist() == [[6, 7, 0, 9, 0, 0]]
-    assert shifted["loss_mask"].tolist() == [[1, 1, 0, 1, 0, 0]]
+    assert shifted["hidden_states"][0, :, 0, 0].tolist() == [0, 10, 0, 30, 0, 50]  # g[t] stays; freed: 0
+    assert shifted["verifier_last_hidden_states"][0, :, 0].tolist() == [11, 21, 0, 41, 0, 51]
+    assert shifted["loss_mask"].tolist() == [[0, 1, 0, 1, 0, 0]]
+    assert shifted["position_ids"].tolist() == [[1, 2, 3, 1, 2, 0]]
+    assert shifted["document_ids"].tolist() == [[0, 0, 0, 1, 1, -1]]
+
+
+def test_the_mtp_preprocess_hands_the_verifier_states_over_unshifted() -> None:
+    batch = {"input_ids": torch.tensor([[5, 6]]), "hidden_states": torch.zeros(1, 2, 2, 3)}
+    batch["verifier_last_hidden_states"] = torch.ones(1, 2, 3)
+    renamed = rename_for_mtp(batch)
+    assert torch.equal(renamed["hidden_states"], torch.ones(1, 2, 3)) and "verifier_last_hidden_states" not in renamed
+    assert renamed["input_ids"].tolist() == [[5, 6]]
 
 
 def test_a_preprocess_hook_reaches_every_batch(data_dir: Path) -> None:
