@@ -1,0 +1,246 @@
+"""Conversations to training rows: ``python -m datamodules.speculative.prepare_conversations``.
+
+Reads ShareGPT (``conversations: [{from, value}]``) or OpenAI (``messages: [{role, content}]``)
+conversations from JSON / JSON-lines / parquet files, a ``save_to_disk`` folder or a hub name, renders
+each with the tokenizer's chat template and writes what speculators' ``prepare-data`` writes and our
+``generate`` and ``HiddenStatesDataModule`` read: a ``save_to_disk`` folder of ``input_ids``,
+``loss_mask`` (1 exactly on assistant-turn tokens) and ``seq_len``. Output is written under a temporary
+name and renamed when complete; a re-run on the same inputs and settings returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from datamodules.plan.arguments import require_int
+from datamodules.plan.hf_loading import load_pretrained, load_split, one_line
+
+log = logging.getLogger(__name__)
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+MANIFEST = "prepare_conversations.json"
+FORMAT_VERSION = 1
+
+
+class ConversationError(ValueError):
+    """A conversation, input or setting that cannot be prepared, named in one line."""
+
+
+def messages_of(row: dict[str, Any]) -> list[dict[str, str]]:
+    """A row's turns as ``[{role, content}]``, from either format; roles mapped to user/assistant/system."""
+    if row.get("messages") is not None:
+        turns, role_key, text_key = row["messages"], "role", "content"
+    elif row.get("conversations") is not None:
+        turns, role_key, text_key = row["conversations"], "from", "value"
+    else:
+        raise ConversationError(f"a row has neither 'messages' nor 'conversations': it has {sorted(row)}")
+    messages = []
+    for turn in turns:
+        role = ROLES.get(turn.get(role_key))
+        if role is None:
+            raise ConversationError(f"unknown role {turn.get(role_key)!r}; accepted: {sorted(ROLES)}")
+        messages.append({"role": role, "content": turn.get(text_key) or ""})
+    return messages
+
+
+class ConversationTokenizer:
+    """Token ids and assistant mask of one conversation, by the tokenizer's chat template.
+
+    With ``{% generation %}`` markers in the template, the mask is ``transformers``' own
+    (``return_assistant_tokens_mask``). Without, each assistant turn's span is where the rendering of
+    the conversation through that turn extends the rendering of the turns before it plus the
+    generation prompt; tokens starting inside a span are the turn's (character offsets of the fast
+    tokenizer), which is what speculators obtains from vLLM's render endpoint.
+    """
+
+    def __init__(self, tokenizer: str, chat_template: str | None = None) -> None:
+        self.name = tokenizer
+        self.tokenizer = load_pretrained("tokenizer", tokenizer, ConversationError)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        if not self.tokenizer.chat_template:
+            raise ConversationError(f"tokenizer {tokenizer!r} has no chat template; pass --chat-template FILE")
+        self.marked = "{% generation %}" in self.tokenizer.chat_template
+        # The generation prompt's length: what it adds after a turn.
+        probe = [{"role": "user", "content": "x"}]
+        with_prompt = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        self._prompt = len(with_prompt) - len(self.tokenizer.apply_chat_template(probe, tokenize=False))
+
+    def __call__(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        if self.marked:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return list(rendered["input_ids"]), list(rendered["assistant_masks"])
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tokenize=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            # A conversation opening with an assistant turn has no turns before it to render.
+            start = len(render(messages[:i], tokenize=False, add_generation_prompt=True)) if i else self._prompt
+            spans.append((start, len(render(messages[: i + 1], tokenize=False))))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        mask = [int(any(a <= first < b for a, b in spans)) for first, _ in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), mask
+
+
+def _tokenize(batch: dict[str, list], tokenizer: ConversationTokenizer, max_len: int | None) -> dict[str, list]:
+    rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for row in rows:
+        ids, mask = tokenizer(messages_of(row))
+        ids, mask = ids[:max_len], mask[:max_len]
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["seq_len"].append(len(ids))
+    return out
+
+
+def _fingerprint(inputs: Sequence[str], tokenizer: str, template: str, max_len: int | None) -> str:
+    stamps = []
+    for name in inputs:
+        path = Path(name)
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        stamps += [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" if p.exists() else str(p) for p in files]
+    identity = {"version": FORMAT_VERSION, "inputs": stamps, "tokenizer": tokenizer, "template": template}
+    identity["max_len"] = max_len
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def _load(inputs: Sequence[str]) -> list[Any]:
+    """The conversations: one ``save_to_disk`` folder or hub name, or JSON / JSON-lines / parquet files,
+    each loaded on its own (files in the two formats have different columns)."""
+    if len(inputs) == 1 and not Path(inputs[0]).is_file() and Path(inputs[0]).suffix not in BUILDERS:
+        return [load_split(inputs[0], "train", error=ConversationError)]
+    for name in inputs:
+        if not Path(name).is_file():
+            raise ConversationError(f"no such input file {name!r}")
+        if Path(name).suffix not in BUILDERS:
+            raise ConversationError(f"input {name!r} is not one of {sorted(BUILDERS)}")
+    return [load_split(BUILDERS[Path(n).suffix], "train", data_files=[n], error=ConversationError) for n in inputs]
+
+
+def prepare_conversations(
+    inputs: str | Sequence[str],
+    tokenizer: str,
+    output: str,
+    max_len: int | None = None,
+    num_proc: int = 1,
+    chat_template: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, int]:
+    """Render, tokenize and mask ``inputs`` into the ``save_to_disk`` folder ``output``.
+
+    Args:
+        inputs: JSON / JSON-lines / parquet files, or one ``save_to_disk`` folder or hub name.
+        tokenizer: a ``transformers`` tokenizer (hub name or local path) with a chat template.
+        output: the folder written (``input_ids``, ``loss_mask``, ``seq_len``).
+        max_len: conversations are truncated to this many tokens; default: kept whole.
+        num_proc: tokenizer processes (``datasets.map``).
+        chat_template: a Jinja chat template replacing the tokenizer's.
+        overwrite: replace an ``output`` prepared from other inputs or settings instead of refusing.
+
+    Returns ``{"conversations": kept, "dropped_no_assistant": ..., "truncated": ..., "tokens": ...}``.
+    """
+    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+    if max_len is not None:
+        require_int("max_len", max_len, 1)
+    require_int("num_proc", num_proc, 1)
+    conversation_tokenizer = ConversationTokenizer(tokenizer, chat_template)
+    fingerprint = _fingerprint(inputs, tokenizer, conversation_tokenizer.tokenizer.chat_template, max_len)
+    target = Path(output)
+    manifest = target / MANIFEST
+    if manifest.is_file():
+        done = json.loads(manifest.read_text())
+        if done.get("fingerprint") == fingerprint:
+            log.info("%s is up to date: %d conversations", target, done["counts"]["conversations"])
+            return done["counts"]
+        if not overwrite:
+            raise ConversationError(f"{target} holds conversations prepared from other inputs or settings; "
+                                    "pass --overwrite to replace them")  # fmt: skip
+    elif target.exists() and any(target.iterdir()) and not overwrite:
+        raise ConversationError(f"{target} exists and was not written by prepare_conversations; pass --overwrite")
+    parts = []
+    for name, source in zip(inputs if len(inputs) > 1 else inputs[:1], _load(inputs), strict=True):
+        columns = source.column_names
+        if not {"messages", "conversations"} & set(columns):
+            raise ConversationError(f"{name} has no 'messages' or 'conversations' column; it has {columns}")
+        try:
+            parts.append(
+                source.map(
+                    _tokenize,
+                    batched=True,
+                    batch_size=256,
+                    num_proc=num_proc if num_proc > 1 else None,
+                    remove_columns=columns,
+                    fn_kwargs={"tokenizer": conversation_tokenizer, "max_len": max_len},
+                    desc=f"rendering {Path(name).name}",
+                )
+            )
+        except ConversationError:
+            raise
+        except Exception as err:  # a worker's error arrives wrapped: tell its first line
+            raise ConversationError(f"cannot prepare {name}: {one_line(err)}") from None
+    rows = datasets.concatenate_datasets(parts)
+    lengths = rows["seq_len"]
+    kept = rows.filter(lambda mask: any(mask), input_columns="loss_mask", num_proc=num_proc if num_proc > 1 else None)
+    counts = {
+        "conversations": len(kept),
+        "dropped_no_assistant": len(rows) - len(kept),
+        "truncated": sum(n == max_len for n in lengths) if max_len else 0,
+        "tokens": int(sum(kept["seq_len"])),
+    }
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    kept.save_to_disk(str(partial))
+    (partial / MANIFEST).write_text(json.dumps({"fingerprint": fingerprint, "counts": counts}, indent=1))
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+    log.info(
+        "wrote %d conversations (%d tokens) to %s; %d without an assistant token dropped, %d truncated",
+        counts["conversations"],
+        counts["tokens"],
+        target,
+        counts["dropped_no_assistant"],
+        counts["truncated"],
+    )
+    return counts
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("inputs", nargs="+", help="JSON/JSONL/parquet files, or a save_to_disk folder or hub name")
+    parser.add_argument("--tokenizer", required=True, help="a transformers tokenizer with a chat template")
+    parser.add_argument("--output", required=True, help="the save_to_disk folder to write")
+    parser.add_argument("--max-len", type=int, help="truncate conversations to this many tokens")
+    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--chat-template", help="a file holding a Jinja chat template to use instead")
+    parser.add_argument("--overwrite", action="store_true", help="replace an output prepared from other inputs")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        template = Path(args.chat_template).read_text() if args.chat_template else None
+        prepare_conversations(
+            args.inputs, args.tokenizer, args.output, args.max_len, args.num_proc, template, args.overwrite
+        )
+    except (ConversationError, OSError) as err:
+        raise SystemExit(f"prepare_conversations: {one_line(err)}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Conversations to training rows: chat template, assistant-only loss mask, formats, truncation, safety.
+
+The reference is a hand rendering: a word-level tokenizer (one token per word or marker) and a chat
+template whose rendering of a turn is ``<|role|> words <|end|>``, so the expected ids and mask are
+written out turn by turn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from datamodules import HiddenStatesDataModule
+from datamodules.speculative.generate import generate_hidden_states
+from datamodules.speculative.prepare_conversations import ConversationError, main, prepare_conversations
+from examples.tiny_draft import TinyDraft
+from tests.speculative.speculative_data import HIDDEN, tiny_verifier
+from tests.support import quiet_trainer
+
+MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+WORDS = "be brief hi there hello you how are fine thanks bye one two three four five six seven eight".split()
+PLAIN = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+MARKED = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
+    "<|end|>{% endgeneration %} {% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+SHAREGPT = [
+    [("system", "be brief"), ("human", "hi there"), ("gpt", "hello you"), ("human", "how are you"), ("gpt", "fine")],
+    [("gpt", "hello"), ("human", "hi"), ("gpt", "bye")],  # opens with an assistant turn
+    [("human", "hi"), ("gpt", "hello"), ("human", "bye")],  # ends with a user turn
+    [("human", "hi there")],  # no assistant turn: dropped
+]
+OPENAI = [
+    [("user", "hi"), ("assistant", "one two three four five six seven eight")],  # truncated at 12 tokens
+    [("system", "be brief"), ("user", "hi"), ("assistant", "fine thanks")],
+]
+ROLE = {"human": "user", "gpt": "assistant"}
+
+
+@pytest.fixture(scope="module", params=["plain", "marked"])
+def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    vocab = {token: i for i, token in enumerate(["<unk>", *MARKERS, *WORDS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", additional_special_tokens=MARKERS)
+    fast.chat_template = PLAIN if request.param == "plain" else MARKED
+    path = tmp_path_factory.mktemp(f"tokenizer_{request.param}")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def by_hand(turns: list[tuple[str, str]], tokenizer: str) -> tuple[list[int], list[int]]:
+    """Ids and mask of the rendering, turn by turn: an assistant turn's words and its <|end|> take loss."""
+    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer).get_vocab()
+    ids, mask = [], []
+    for role, text in turns:
+        role = ROLE.get(role, role)
+        words = [f"<|{role}|>", *text.split(), "<|end|>"]
+        ids += [vocab[w] for w in words]
+        mask += [0] + [int(role == "assistant")] * (len(words) - 1)
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("conversations")
+    sharegpt, openai = root / "sharegpt.jsonl", root / "openai.json"
+    rows = [{"conversations": [{"from": r, "value": t} for r, t in c]} for c in SHAREGPT]
+    sharegpt.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    openai.write_text(json.dumps([{"messages": [{"role": r, "content": t} for r, t in c]} for c in OPENAI]))
+    return [str(sharegpt), str(openai)]
+
+
+def test_both_formats_render_with_the_assistant_mask_token_by_token(
+    inputs: list[str], tokenizer: str, tmp_path: Path
+) -> None:
+    counts = prepare_conversations(inputs[:1], tokenizer, str(tmp_path / "a"))
+    rows = datasets.load_from_disk(str(tmp_path / "a"))
+    assert counts["dropped_no_assistant"] == 1 and counts["conversations"] == 3 == len(rows)
+    for row, turns in zip(rows, SHAREGPT[:3], strict=True):
+        assert (row["input_ids"], row["loss_mask"]) == by_hand(turns, tokenizer)
+        assert row["seq_len"] == len(row["input_ids"])
+    prepare_conversations(inputs[1:], tokenizer, str(tmp_path / "b"), max_len=12)
+    rows = datasets.load_from_disk(str(tmp_path / "b"))
+    ids, mask = by_hand(OPENAI[0], tokenizer)
+    assert (rows[0]["input_ids"], rows[0]["loss_mask"], rows[0]["seq_len"]) == (ids[:12], mask[:12], 12)
+    assert (rows[1]["input_ids"], rows[1]["loss_mask"]) == by_hand(OPENAI[1], tokenizer)
+
+
+def test_a_rerun_returns_at_once_and_another_corpus_is_refused_unless_overwritten(
+    inputs: list[str], tokenizer: str, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "out")
+    first = prepare_conversations(inputs, tokenizer, out, num_proc=2)
+    assert prepare_conversations(inputs, tokenizer, out) == first
+    with pytest.raises(ConversationError, match="prepared from other inputs or settings; pass --overwrite"):
+        prepare_conversations(inputs, tokenizer, out, max_len=5)
+    assert prepare_conversations(inputs, tokenizer, out, max_len=5, overwrite=True)["truncated"] >= 1
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["missing.jsonl"], "no such input file 'missing.jsonl'"),
+        (["{sharegpt}", "--chat-template", "missing.jinja"], "No such file or directory"),
+    ],
+)
+def test_bad_input_is_one_line(
+    inputs: list[str], tokenizer: str, tmp_path: Path, argv: list[str], message: str, capsys
+) -> None:
+    argv = [a.format(sharegpt=inputs[0]) for a in argv]
+    with pytest.raises(SystemExit, match=message):
+        main([*argv, "--tokenizer", tokenizer, "--output", str(tmp_path / "out")])
+
+
+def test_an_unknown_role_is_named(tokenizer: str, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"conversations": [{"from": "robot", "value": "hi"}]}) + "\n")
+    with pytest.raises(ConversationError, match=r"unknown role 'robot'; accepted: \['assistant', 'gpt'"):
+        prepare_conversations([str(bad)], tokenizer, str(tmp_path / "out"))
+
+
+def test_prepared_conversations_generate_states_and_train_a_draft(
+    inputs: list[str], tokenizer: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "rows"
+    prepare_conversations(inputs, tokenizer, str(out))
+    generate_hidden_states(str(out), tiny_verifier(), layers=[1, 2, 3], batch_size=4)
+    dm = HiddenStatesDataModule(str(out), total_seq_len=32, train_ratio=0.8, dtype="float32")
+    model = TinyDraft(vocab_size=101, verifier_hidden_size=HIDDEN, aux_layers=2)
+    trainer = quiet_trainer(max_steps=3, limit_val_batches=0)
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 3 and not dm.bad_samples.reasons
