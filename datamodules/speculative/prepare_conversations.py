@@ -96,10 +96,14 @@ class ConversationTokenizer:
 
 
 def _tokenize(batch: dict[str, list], tokenizer: ConversationTokenizer, max_len: int | None) -> dict[str, list]:
+    """The rows of a batch of conversations; one without an assistant token (after truncation) is left out."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "truncated": []}
     for row in rows:
         ids, mask = tokenizer(messages_of(row))
+        if not any(mask[:max_len]):
+            continue
+        out["truncated"].append(max_len is not None and len(ids) > max_len)
         ids, mask = ids[:max_len], mask[:max_len]
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
@@ -174,8 +178,8 @@ def prepare_conversations(
                                     "pass --overwrite to replace them")  # fmt: skip
     elif target.exists() and any(target.iterdir()) and not overwrite:
         raise ConversationError(f"{target} exists and was not written by prepare_conversations; pass --overwrite")
-    parts = []
-    for name, source in zip(inputs if len(inputs) > 1 else inputs[:1], _load(inputs), strict=True):
+    parts, sources = [], _load(inputs)
+    for name, source in zip(inputs, sources, strict=True):
         columns = source.column_names
         if not {"messages", "conversations"} & set(columns):
             raise ConversationError(f"{name} has no 'messages' or 'conversations' column; it has {columns}")
@@ -196,14 +200,13 @@ def prepare_conversations(
         except Exception as err:  # a worker's error arrives wrapped: tell its first line
             raise ConversationError(f"cannot prepare {name}: {one_line(err)}") from None
     rows = datasets.concatenate_datasets(parts)
-    lengths = rows["seq_len"]
-    kept = rows.filter(lambda mask: any(mask), input_columns="loss_mask", num_proc=num_proc if num_proc > 1 else None)
     counts = {
-        "conversations": len(kept),
-        "dropped_no_assistant": len(rows) - len(kept),
-        "truncated": sum(n == max_len for n in lengths) if max_len else 0,
-        "tokens": int(sum(kept["seq_len"])),
+        "conversations": len(rows),
+        "dropped_no_assistant": sum(len(source) for source in sources) - len(rows),
+        "truncated": int(sum(rows["truncated"])),
+        "tokens": int(sum(rows["seq_len"])),
     }
+    kept = rows.remove_columns("truncated")
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     kept.save_to_disk(str(partial))
