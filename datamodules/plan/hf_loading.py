@@ -87,10 +87,11 @@ def load_pretrained(kind: str, name: str, error: type[Exception] = ValueError) -
     local path, with tokenizers on one thread: the DataLoader's workers are the parallelism."""
     import os
 
-    from transformers import AutoProcessor, AutoTokenizer
+    import transformers
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    loader = {"tokenizer": AutoTokenizer, "processor": AutoProcessor}[kind]
+    # Only the class asked for: AutoProcessor's import pulls in the image processors (and torchvision), seconds.
+    loader = getattr(transformers, {"tokenizer": "AutoTokenizer", "processor": "AutoProcessor"}[kind])
     try:
         return loader.from_pretrained(name)
     except (OSError, ValueError, TypeError, KeyError) as err:
