@@ -151,6 +151,17 @@ def rows_by_position(run: Run, dp_size: int, batch_size: int, first_position: in
     return out
 
 
+def resumed_on_two_ranks(stopped: Run, resumed: Run, batch_size: int, stop_step: int) -> dict[int, str]:
+    """``{plan position: row digest}`` of a 1-rank run stopped at ``stop_step`` and resumed on 2 ranks;
+    every position from 0 on is trained once, none padded, and both ranks agree on where they stopped."""
+    before = rows_by_position(stopped, 1, batch_size, before_step=stop_step)
+    after = rows_by_position(resumed, 2, batch_size, first_position=stop_step * batch_size)
+    end = stop_step * batch_size + len(after)
+    assert sorted(before) + sorted(after) == list(range(end)), "a position was skipped or trained twice"
+    assert resumed.info(0)["positions_consumed"] == resumed.info(1)["positions_consumed"] == end
+    return {**before, **after}
+
+
 def train_record(args: list[str], root: Path, num_nodes: int = 1, failing_ranks: int = 0) -> Run:
     """Run ``train_record.py`` with ``args`` (plus its output paths under ``root``) and wait for it.
 
