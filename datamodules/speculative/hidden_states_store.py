@@ -31,6 +31,12 @@ class HiddenStatesStore(ABC):
         """Row ``index``'s states in words, for messages (a file's path, a key)."""
         return f"row {index}"
 
+    def version(self, index: int) -> tuple[int, ...] | None:
+        """A cheap token of row ``index``'s stored states that changes whenever they do (a file's size,
+        modification time and inode), so a reader validates them once; ``None`` (default): unknown,
+        validated at every read."""
+        return None
+
     @abstractmethod
     def lookup(self, index: int) -> States | None:
         """The cached states of dataset row ``index``, or ``None`` when there are none."""
@@ -65,6 +71,16 @@ class HiddenStateFiles(HiddenStatesStore):
 
     def describe(self, index: int) -> str:
         return self.path(index)
+
+    def version(self, index: int) -> tuple[int, ...] | None:
+        path = self.path(index)
+        if is_url(path):
+            return None
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return None
+        return stat.st_size, stat.st_mtime_ns, stat.st_ino
 
     def lookup(self, index: int) -> States | None:
         path = self.path(index)

@@ -55,9 +55,12 @@ class StateFetcher:
         self.client, self.on_generate, self.validation_retries = client, on_generate, validation_retries
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
+        # Rows whose stored states this process validated, by the version it saw: a later pass skips
+        # the check (a full read of the states) unless the file changed.
+        self._validated: dict[int, tuple[int, ...]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}  # each worker opens its own threads
+        return {**self.__dict__, "_pool": None, "_validated": {}}  # each worker opens its own threads
 
     def check(self, states: States, input_ids: torch.Tensor) -> str | None:
         return check_states(states, input_ids, self.layers, self.hidden_size)
@@ -72,8 +75,17 @@ class StateFetcher:
 
     def fetch(self, row: int, input_ids: torch.Tensor) -> Outcome:
         try:
+            # The version is taken before the read: a file replaced in between is checked again next time.
+            version = self.store.version(row)
             states = self.store.lookup(row)
-            reason = "missing" if states is None else self.check(states, input_ids)
+            if states is None:
+                reason = "missing"
+            elif version is not None and self._validated.get(row) == version:
+                reason = None
+            else:
+                reason = self.check(states, input_ids)
+                if reason is None and version is not None:
+                    self._validated[row] = version
         except BadSample as err:
             reason = str(err)
         if reason is None:

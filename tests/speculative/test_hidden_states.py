@@ -162,6 +162,18 @@ def test_skipped_conversations_are_never_trained_on_and_counted(own_data: Path, 
     assert [batch_digest(b) for b in again] == [batch_digest(b) for b in epoch]
 
 
+def test_a_file_is_validated_once_per_process_until_it_changes(own_data: Path) -> None:
+    fetcher = datamodule(own_data)._train.fetcher
+    ids = torch.tensor(dataset_rows(own_data)[4]["input_ids"])
+    checks = []
+    original = fetcher.check
+    fetcher.check = lambda states, input_ids: checks.append(1) or original(states, input_ids)
+    assert fetcher.fetch(4, ids).states is not None and fetcher.fetch(4, ids).states is not None
+    assert len(checks) == 1  # the second read skips the full pass over the states
+    damage_states(own_data, 4, "not finite")  # a new file: another size, time or inode
+    assert fetcher.fetch(4, ids).reason == "hidden_states holds NaN or infinite values" and len(checks) == 2
+
+
 def test_bad_validation_conversations_are_counted_apart_from_training_ones(own_data: Path) -> None:
     damage_states(own_data, 28, "missing")  # rows [27, 30) validate
     dm = datamodule(own_data, on_missing="skip")
