@@ -236,13 +236,15 @@ class PlanDataModule(LightningDataModule):
         self._log_summary(steps_per_epoch)
         return self._loader(dataset, self._sampler)
 
+    @property
+    def _known_epoch_end(self) -> int | None:
+        """Where the epoch in progress ends, as the last loader or the checkpoint left it."""
+        return self._sampler.epoch_end if self._sampler is not None else self._epoch_end
+
     def _current_epoch_end(self, steps_per_epoch: int) -> int:
-        """Where the epoch in progress ends: as the last loader or the checkpoint left it, else (a
-        checkpoint that did not say) the next multiple of this run's epoch."""
-        if self._sampler is not None:
-            return self._sampler.epoch_end
-        if self._epoch_end is not None:
-            return self._epoch_end
+        """The known epoch end, else (a checkpoint that did not say) the next multiple of this run's epoch."""
+        if self._known_epoch_end is not None:
+            return self._known_epoch_end
         epoch = steps_per_epoch * self.global_batch_size
         return -(-self._anchor_positions // epoch) * epoch
 
@@ -411,9 +413,8 @@ class PlanDataModule(LightningDataModule):
             state.update(plan_fingerprint=self._fingerprint(), plan=self.plan_identity())
         segments = self.plan.segments if self.plan is not None else self._saved_segments
         state["segments"] = [[s.first_position, s.block_size, list(s.probabilities)] for s in segments]
-        epoch_end = self._sampler.epoch_end if self._sampler is not None else self._epoch_end
-        if epoch_end is not None:
-            state["epoch_end"] = epoch_end
+        if self._known_epoch_end is not None:
+            state["epoch_end"] = self._known_epoch_end
         return state
 
     def _out_of_order_state(self) -> dict[str, Any]:

@@ -113,12 +113,11 @@ class PlanDataset(Dataset):
     def _request(self, span: tuple[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
         """``(indices, extra fetch arguments, valid)`` of a span; ``valid`` is ``None`` without padding."""
         first, stop = span
-        limit = self.limit
         valid = None
-        if limit is None:
+        if self.limit is None:
             indices, passes = self._indices(first, stop)
         else:
-            valid = np.arange(first, stop) < limit
+            valid = np.arange(first, stop) < self.limit
             indices = np.zeros(stop - first, dtype=np.int64)
             passes = np.zeros(stop - first, dtype=np.int64)
             real = int(valid.sum())

@@ -133,8 +133,7 @@ class Segment:
     probabilities: tuple[float, ...]
     _floors: np.ndarray = field(init=False, repr=False, compare=False)
     _wholes: np.ndarray = field(init=False, repr=False, compare=False)
-    _rests: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _rest_array: np.ndarray = field(init=False, repr=False, compare=False)
+    _rests: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         p = self.probabilities
@@ -148,8 +147,8 @@ class Segment:
         object.__setattr__(self, "_floors", np.array([s // _UNIT for s in shares], dtype=np.int64))
         object.__setattr__(self, "_wholes", np.array([e // _UNIT for e in ends], dtype=np.int64))
         # A point u_b lies below e / 2^64 iff U_b < ceil(e * P / 2^64): the stretch ends in U's units.
-        object.__setattr__(self, "_rests", tuple(-(-(e % _UNIT) * _PERIOD // _UNIT) for e in ends))
-        object.__setattr__(self, "_rest_array", np.array(self._rests, dtype=np.uint64))
+        rests = [-(-(e % _UNIT) * _PERIOD // _UNIT) for e in ends]
+        object.__setattr__(self, "_rests", np.array(rests, dtype=np.uint64))
 
     @property
     def num_sources(self) -> int:
@@ -158,7 +157,7 @@ class Segment:
     @property
     def most_per_block(self) -> tuple[int, ...]:
         """The most samples of each source one block holds (the ceiling of ``p_d * block_size``)."""
-        extra = np.diff(self._wholes) + (np.diff(np.array(self._rests, dtype=np.int64)) != 0)
+        extra = np.diff(self._wholes) + (np.diff(self._rests.astype(np.int64)) != 0)
         return tuple(int(c) for c in self._floors + (extra > 0))
 
     def counts(self, blocks: np.ndarray, sources: np.ndarray | None = None) -> np.ndarray:
@@ -167,7 +166,7 @@ class Segment:
         # Stretch d = [W_d + r_d, W_{d+1} + r_{d+1}) holds a point u + j iff the count of integers in
         # [stretch - u) is 1: ceil(W + r - u) differences, with ceil(r - u) = [r > u] for r, u in [0, 1).
         ends = np.union1d(sources, sources + 1)
-        below = (_offsets(blocks)[:, None] < self._rest_array[ends][None, :]).view(np.int8)
+        below = (_offsets(blocks)[:, None] < self._rests[ends][None, :]).view(np.int8)
         column = np.searchsorted(ends, sources)
         extras = below[:, column + 1] - below[:, column]
         return (self._floors[sources] + self._wholes[sources + 1] - self._wholes[sources])[None, :] + extras
@@ -194,7 +193,7 @@ class Segment:
         """Samples of ``sources`` in blocks ``[0, blocks)``: the floors, plus the extras, whose count
         is the points ``u_b + j`` in each source's stretch (two floor sums a stretch end)."""
         ends = np.union1d(sources, sources + 1).tolist()
-        below = _points_below(blocks, [self._rests[e] for e in ends])
+        below = _points_below(blocks, [int(self._rests[e]) for e in ends])
         inside = {e: int(self._wholes[e]) * blocks + n for e, n in zip(ends, below, strict=True)}
         extras = np.array([inside[int(d) + 1] - inside[int(d)] for d in sources], dtype=np.int64)
         return self._floors[sources] * blocks + extras
