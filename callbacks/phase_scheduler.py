@@ -124,8 +124,8 @@ class PhaseScheduler(Callback):
                 f"phase at step {weighted[0].start_step} sets dataset_weights {weighted[0].dataset_weights}, but "
                 f"{type(datamodule).__name__} is not a mixture; use MixtureDataModule or give only lr_scale"
             )
-        if hasattr(datamodule, "set_phase_weights"):
-            datamodule.set_phase_weights([(p.start_step, p.dataset_weights) for p in self.phases])
+        if hasattr(datamodule, "set_phases"):
+            datamodule.set_phases([asdict(p) for p in self.phases])
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -181,6 +181,14 @@ class PhaseScheduler(Callback):
                     group[UNSCALED_LR] = group["lr"]
                 group["lr"] = group[UNSCALED_LR] * scale
             self._unscaled.discard(id(optimizer))
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The checkpoint holds the scheduler's own (unscaled) LR; on resume the callback scales it again.
+        for optimizer, saved in zip(trainer.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+            for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", []), strict=False):
+                unscaled = group["lr"] if id(optimizer) in self._unscaled else group.get(UNSCALED_LR, group["lr"])
+                saved_group["lr"] = saved_group[UNSCALED_LR] = unscaled
 
     @override
     def state_dict(self) -> dict[str, Any]:

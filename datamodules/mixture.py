@@ -146,6 +146,10 @@ class MixtureDataModule(PlanDataModule):
             named = dict(zip([c.name for c in self.components], weights, strict=True))
             raise ValueError(f"{what} {named} are all zero: at least one source needs a positive weight")
 
+    def set_phases(self, phases: list[dict[str, Any]]) -> None:
+        super().set_phases(phases)
+        self.set_phase_weights([(p["start_step"], p["dataset_weights"]) for p in phases])
+
     def set_phase_weights(self, phases: list[tuple[int, dict[str, float]]]) -> None:
         """Weights from each phase's ``start_step``: named sources change, the rest keep the base weight."""
         names = [c.name for c in self.components]

@@ -95,6 +95,8 @@ class PlanDataModule(LightningDataModule):
         self._stream: StreamTraining | None = None
         self._trained: TrainedSpans | None = None  # with batches out of order: which were trained
         self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
+        self.phases: list[dict[str, Any]] | None = None  # the PhaseScheduler's schedule, when one runs
+        self._checkpoint_phases: list[dict[str, Any]] | None = None
 
     def build_sources(self) -> list[tuple[str, Source, Source | None]]:
         """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
@@ -108,6 +110,37 @@ class PlanDataModule(LightningDataModule):
     def on_rank_zero(self, make: Callable[[], Any]) -> Any:
         """``make()`` on global rank 0, its value broadcast to every rank (see ``computed_on_rank_zero``)."""
         return computed_on_rank_zero(self.trainer, make)
+
+    def set_phases(self, phases: list[dict[str, Any]]) -> None:
+        """The ``PhaseScheduler``'s phases (``{start_step, dataset_weights, lr_scale}``), installed at its
+        ``setup``. They are saved with the data state, so that a resume without the callback continues
+        the phases trained so far, or is refused where only the callback could (an LR scale)."""
+        self.phases = [dict(p) for p in phases]
+
+    def _continue_checkpoint_phases(self, step: int) -> None:
+        """A resume without the callback the checkpoint trained with: the phases trained so far go on."""
+        saved, self._checkpoint_phases = self._checkpoint_phases, None
+        if saved is None or self.phases is not None:
+            return
+        trained = [p for p in saved if p["start_step"] <= step]
+        active, later = trained[-1], [p for p in saved if p["start_step"] > step]
+        name = type(self).__name__
+        if active["lr_scale"] != 1:
+            raise ValueError(
+                f"{name}: the checkpoint trained with a PhaseScheduler whose phase from step {active['start_step']} "
+                f"scales the LR by {active['lr_scale']}; resumed at step {step} without that callback, the LR would "
+                f"jump back to the scheduler's. Add PhaseScheduler(phases={saved}) to the Trainer's callbacks"
+            )
+        if later:
+            log.warning(
+                "%s: resumed at step %d without the PhaseScheduler the checkpoint trained with: phase %s goes on; "
+                "the later phases %s start only with the callback",
+                name,
+                step,
+                active,
+                later,
+            )
+        self.set_phases(trained)
 
     def source_specs(self) -> list[SourceSpec]:
         """The configured sources, whose ``prepare`` runs in ``prepare_data``."""
@@ -212,6 +245,7 @@ class PlanDataModule(LightningDataModule):
             return self._stream_loader()
         self._anchor_positions, self._anchor_batches = self.positions_consumed, None
         step = getattr(self.trainer, "global_step", 0)
+        self._continue_checkpoint_phases(step)
         self.plan = self.build_plan(self._anchor_positions, step)
         dataset = PlanDataset(train, self.plan)
         # Whole optimizer steps per epoch, so every global batch is one optimizer step.
@@ -415,6 +449,8 @@ class PlanDataModule(LightningDataModule):
         state["segments"] = [[s.first_position, s.block_size, list(s.probabilities)] for s in segments]
         if self._known_epoch_end is not None:
             state["epoch_end"] = self._known_epoch_end
+        if self.phases is not None:
+            state["phases"] = self.phases
         return state
 
     def _out_of_order_state(self) -> dict[str, Any]:
@@ -456,6 +492,7 @@ class PlanDataModule(LightningDataModule):
         self._anchor_batches = None
         self._sampler, self._epoch_end = None, state_dict.get("epoch_end")
         self._trained, self._resume_spans = None, []
+        self._checkpoint_phases = state_dict.get("phases")
         out_of_order = state_dict.get("trained_out_of_order")
         if out_of_order is not None:
             saved = (out_of_order["ranks"], out_of_order["batch_size"])

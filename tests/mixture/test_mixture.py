@@ -123,6 +123,31 @@ def test_resume_across_a_phase_change_trains_identical_batches(
     assert [r["lr"] for r in trained] == [r["lr"] for r in expected] == [0.01] * 5 + [0.005] * 5
 
 
+def test_a_mixture_resumed_without_its_phase_scheduler_continues_the_phase_it_trained_in(
+    tmp_path: Path, shard_dirs: dict[str, Path]
+) -> None:
+    weights_only = [{**PHASES[0], "lr_scale": 1.0}]
+    expected = fit(shard_dirs, 10, phases=weights_only)
+    fit(shard_dirs, 7, phases=weights_only, ckpt_dir=tmp_path, ckpt_every=7)
+    (ckpt,) = tmp_path.glob("*-step=7.ckpt")
+    resumed = fit(shard_dirs, 10, phases=None, resume=ckpt)
+    assert [source_counts(r) for r in resumed] == [[0, 3, 7]] * 3
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in expected[7:]]
+
+
+def test_a_resume_without_the_callback_whose_phase_scales_the_lr_is_refused(
+    tmp_path: Path, shard_dirs: dict[str, Path]
+) -> None:
+    fit(shard_dirs, 7, ckpt_dir=tmp_path, ckpt_every=7)
+    (ckpt,) = tmp_path.glob("*-step=7.ckpt")
+    with pytest.raises(ValueError, match=r"phase from step 5 scales the LR by 0.5; resumed at step 7 without"):
+        fit(shard_dirs, 10, phases=None, resume=ckpt)
+    # The checkpoint holds the scheduler's own LR (0.01), not the scaled one; the callback scales it again.
+    group = torch.load(ckpt, weights_only=True)["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == 0.01
+    assert [r["lr"] for r in fit(shard_dirs, 9, resume=ckpt)] == [0.005] * 2
+
+
 def test_reloading_the_train_loader_every_epoch_keeps_the_trained_schedule(
     tmp_path: Path, shard_dirs: dict[str, Path]
 ) -> None:
