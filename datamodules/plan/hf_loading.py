@@ -38,7 +38,7 @@ def _is_builder(path: str) -> bool:
 
 def load_split(
     path: str,
-    split: str,
+    split: str | None,
     name: str | None = None,
     data_files: str | list[str] | dict[str, Any] | None = None,
     load_kwargs: dict[str, Any] | None = None,
@@ -49,8 +49,14 @@ def load_split(
     """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped; a URL is
     downloaded first) or of anything ``datasets.load_dataset`` takes (a hub name, a builder such as
     ``"parquet"`` or ``"imagefolder"`` with ``data_files``, local or URLs, a local data folder);
-    ``streaming`` gives an ``IterableDataset``. ``storage_options``: for URLs, as ``datasets`` takes them."""
+    ``streaming`` gives an ``IterableDataset``. ``storage_options``: for URLs, as ``datasets`` takes them.
+
+    A folder holding one ``Dataset`` (not a ``DatasetDict``) has one split: the name it was saved
+    with, else ``"train"``; any other split is refused, never answered with the same rows. ``split=None``
+    takes such a folder whatever its name (and ``"train"`` of anything else)."""
     import datasets
+
+    whole, split = split is None, split or "train"
 
     # A copy: datasets rewrites the dict it is given (per-protocol keys), which would spoil ours.
     remote = {"storage_options": copy.deepcopy(storage_options)} if storage_options else {}
@@ -63,6 +69,11 @@ def load_split(
             if split not in loaded:
                 raise error(f"{path} has no split {split!r}; splits are {list(loaded)}")
             loaded = loaded[split]
+        elif not whole and split != (own := str(loaded.split or "train")):
+            raise error(
+                f"{path} holds one Dataset (split {own!r}), not a DatasetDict of splits: split {split!r} is not "
+                f"in it. Use {own!r}; validate with a val_fraction, or save a DatasetDict with both splits"
+            )
         return loaded
     if is_url(path):  # load_dataset takes URLs in data_files only
         if not storage_path(path, storage_options).exists():

@@ -53,7 +53,7 @@ def generate_hidden_states(
     """
     from transformers import AutoModelForCausalLM
 
-    dataset = load_split(data_dir, "train").with_format("numpy", columns=["input_ids"])
+    dataset = load_split(data_dir, None).with_format("numpy", columns=["input_ids"])
     store = HiddenStateFiles(hidden_states_dir or Path(data_dir) / "hidden_states")
     for stale in Path(store.directory).glob(".hs_*.partial-*"):
         stale.unlink()  # left by a run that was killed mid-write

@@ -202,7 +202,7 @@ class HiddenStatesDataModule(PlanDataModule):
     def _load(self) -> Any:
         if not is_saved_dataset(self.data_dir, self.storage_options):
             raise ValueError(f"data_dir {self.data_dir!r} is not a folder written by datasets' save_to_disk")
-        dataset = load_split(self.data_dir, "train", storage_options=self.storage_options)
+        dataset = load_split(self.data_dir, None, storage_options=self.storage_options)
         missing = [c for c in COLUMNS if c not in dataset.column_names]
         if missing:
             raise ValueError(f"{self.data_dir} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")

@@ -129,7 +129,7 @@ def _load(inputs: Sequence[str]) -> list[Any]:
     """The conversations: one ``save_to_disk`` folder or hub name, or JSON / JSON-lines / parquet files,
     each loaded on its own (files in the two formats have different columns)."""
     if len(inputs) == 1 and not Path(inputs[0]).is_file() and Path(inputs[0]).suffix not in BUILDERS:
-        return [load_split(inputs[0], "train", error=ConversationError)]
+        return [load_split(inputs[0], None, error=ConversationError)]
     for name in inputs:
         if not Path(name).is_file():
             raise ConversationError(f"no such input file {name!r}")

@@ -196,3 +196,24 @@ def test_a_hub_name_that_cannot_be_reached_is_one_short_error(
         refused.value
     )
     assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["eager", "streaming"])
+@pytest.mark.parametrize("splits", [{"val_split": "test"}, {"split": "no_such_split"}], ids=["val_split", "split"])
+def test_a_split_a_saved_single_dataset_does_not_have_is_refused_through_fit(
+    tmp_path: Path, tokenizer: str, streaming: bool, splits: dict
+) -> None:
+    """One saved ``Dataset`` has no named splits: asked for one, it must not answer with its own rows."""
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(tmp_path / "saved")
+    options = {"streaming": True, "shuffle_rows": 4} if streaming else {}
+    dm = make_dm(tmp_path, tokenizer, path=str(tmp_path / "saved"), data_files=None, **options, **splits)
+    asked = next(iter(splits.values()))
+    message = rf"saved holds one Dataset \(split 'train'\), not a DatasetDict of splits: split '{asked}' is not in it"
+    with pytest.raises(Exception, match=message) as refused:
+        quiet_trainer(max_steps=2).fit(RecordingModel(), datamodule=dm)
+    assert isinstance(refused.value, (PrepareError, ValueError))
+
+
+def test_a_val_split_naming_the_training_split_fails_at_construction(tmp_path: Path, tokenizer: str) -> None:
+    with pytest.raises(ValueError, match="val_split 'train' is the training split: it would validate on the training"):
+        make_dm(tmp_path, tokenizer, val_split="train")

@@ -448,6 +448,7 @@ def test_a_missing_image_or_text_column_lists_the_columns(tmp_path: Path, tokeni
         ({"tokenizer": None}, r"give a tokenizer"),
         ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), got 1.0"),
         ({"max_text_len": 0}, r"max_text_len must be a positive integer, got 0"),
+        ({"val_split": "train"}, r"val_split 'train' is the training split: it would validate on the training rows"),
     ],
 )
 def test_bad_options_are_refused_at_construction(tmp_path: Path, tokenizer: str, option: dict, message: str) -> None:
