@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from datamodules.plan.storage import is_url, open_remote
-from datamodules.text.prepare_inputs import DatasetCorpus, PrepareError, file_stamp
+from datamodules.text.prepare_inputs import SKIP_HINT, DatasetCorpus, PrepareError, file_stamp
 
 
 class DocumentUnits(ABC):
@@ -47,7 +47,7 @@ def check_texts(table: str, first_row: int, values: list[Any], text_field: str) 
     for row, value in enumerate(values):
         if not isinstance(value, str):
             problem = "is null" if value is None else f"is a {type(value).__name__}, not a string"
-            raise ValueError(f"{table} row {first_row + row}: text field {text_field!r} {problem}")
+            raise ValueError(f"{table} row {first_row + row}: text field {text_field!r} {problem} ({SKIP_HINT})")
     return values
 
 

@@ -23,7 +23,7 @@ from datamodules.plan.hf_loading import is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.document_units import document_units
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
-from datamodules.text.prepare_inputs import DatasetCorpus
+from datamodules.text.prepare_inputs import BAD_ROW_POLICIES, DatasetCorpus
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.text_stream import TextStream
 from datamodules.text.token_shard_source import split_windows
@@ -53,6 +53,8 @@ class HFTextSource(SourceSpec):
             be shared by the ranks of a node (or by all ranks, with ``prepare_data_per_node=False``).
         add_bos: start every document with the tokenizer's BOS token (EOS always ends it).
         num_proc: tokenizer processes in ``prepare_data`` (default: CPU count, at most 8).
+        on_bad_row: a row whose text is missing, null or not a string stops preparation (``"raise"``)
+            or is counted and skipped (``"skip"``). Empty texts are always skipped and counted.
         load_kwargs: further ``load_dataset`` arguments, e.g. ``{"sample_by": "document"}``.
         storage_options: for a ``path`` or ``data_files`` at URLs (``s3://``, ``gs://``, ...), the
             fsspec filesystem's options, passed to ``datasets``. Remote files are keyed in the cache
@@ -70,6 +72,7 @@ class HFTextSource(SourceSpec):
     cache_dir: str = ".cache/datamodules/hf_text"
     add_bos: bool = False
     num_proc: int | None = None
+    on_bad_row: str = "raise"
     load_kwargs: dict[str, Any] = field(default_factory=dict)
     storage_options: dict[str, Any] | None = None
 
@@ -82,6 +85,8 @@ class HFTextSource(SourceSpec):
             raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
         if self.num_proc is not None:
             require_int("num_proc", self.num_proc, 1)
+        if self.on_bad_row not in BAD_ROW_POLICIES:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
 
     def _corpus(self, split: str) -> DatasetCorpus:
         files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files
@@ -94,6 +99,7 @@ class HFTextSource(SourceSpec):
     def cache_path(self, split: str) -> Path:
         """The cache folder of ``split``: named for the dataset, keyed by everything behind its tokens."""
         identity = [FORMAT_VERSION, self.text_field, self.add_bos, tokenizer_identity(self.tokenizer)]
+        identity += [self.on_bad_row] if self.on_bad_row != "raise" else []
         key = hashlib.blake2b(json.dumps([identity, self._corpus(split).identity()]).encode(), digest_size=8)
         readable = re.sub(r"[^\w.-]+", "_", f"{Path(self.path).name or self.path}-{self.name or ''}-{split}")
         return Path(self.cache_dir) / f"{readable}-{key.hexdigest()}"
@@ -106,6 +112,7 @@ class HFTextSource(SourceSpec):
             text_field=self.text_field,
             num_proc=self.num_proc,
             add_bos=self.add_bos,
+            on_bad_row=self.on_bad_row,
         )
 
     def _open(self, split: str) -> TokenShards:
@@ -118,7 +125,8 @@ class HFTextSource(SourceSpec):
         return TokenShards(path)
 
     def _evaluation_set(self) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-        return tokenize_to_memory(self._corpus(self.val_split), self.tokenizer, self.text_field, self.add_bos)
+        corpus = self._corpus(self.val_split)
+        return tokenize_to_memory(corpus, self.tokenizer, self.text_field, self.add_bos, self.on_bad_row)
 
     def _evaluation_shards(self, on_rank_zero: RankZero | None) -> TokenShards | None:
         if self.val_split is None:
@@ -140,7 +148,9 @@ class HFTextSource(SourceSpec):
                 "a stream validates on val_split"
             )
         units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
-        return TextStream(units, self.tokenizer, seq_len, batch_size, pack_sequences, seed, self.add_bos, shuffle_rows)
+        return TextStream(
+            units, self.tokenizer, seq_len, batch_size, pack_sequences, seed, self.add_bos, shuffle_rows, self.on_bad_row
+        )
 
     def evaluation_windows(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None
@@ -156,7 +166,7 @@ class HFTextDataModule(PlanDataModule):
 
     Args:
         path, tokenizer, name, split, data_files, text_field, val_split, val_fraction, cache_dir,
-            add_bos, num_proc, load_kwargs, storage_options: see ``HFTextSource``; ``storage_options`` are
+            add_bos, num_proc, on_bad_row, load_kwargs, storage_options: see ``HFTextSource``; ``storage_options`` are
             kept out of checkpoints.
         seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
@@ -191,6 +201,7 @@ class HFTextDataModule(PlanDataModule):
         cache_dir: str = ".cache/datamodules/hf_text",
         add_bos: bool = False,
         num_proc: int | None = None,
+        on_bad_row: str = "raise",
         load_kwargs: dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         pack_sequences: bool = False,
@@ -234,6 +245,7 @@ class HFTextDataModule(PlanDataModule):
             cache_dir=cache_dir,
             add_bos=add_bos,
             num_proc=num_proc,
+            on_bad_row=on_bad_row,
             load_kwargs=dict(load_kwargs or {}),
             storage_options=storage_options,
         )

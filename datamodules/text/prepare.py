@@ -238,6 +238,7 @@ def prepare(
     add_bos: bool = False,
     separator: str = "eos",
     on_bad_row: str = "raise",
+    keep_empty_documents: bool = False,
     overwrite: bool = False,
     num_parts: int = 1,
     part_index: int = 0,
@@ -257,7 +258,7 @@ def prepare(
         require_int(name, value, 1, error=PrepareError)
     if not 0 <= part_index < num_parts:
         raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
-    bad_rows = BadRows(on_bad_row)
+    bad_rows = BadRows(on_bad_row, keep_empty=keep_empty_documents)
     corpus = (
         inputs
         if isinstance(inputs, Corpus)
@@ -273,6 +274,7 @@ def prepare(
     if num_parts > 1 and (root / METADATA_FILE).exists() and not overwrite:
         raise PrepareError(f"{root} already holds a corpus prepared in one part; pass --overwrite or another --output")
     options = [FORMAT_VERSION, text_field, shard_tokens, split, add_bos, separator, on_bad_row, num_parts, part_index]
+    options += ["keep_empty_documents"] if keep_empty_documents else []
     # What the output is of (inputs by name, tokenizer, options), and that plus the inputs' sizes and
     # times: the same corpus re-prepared after an edit is replaced, another corpus is refused.
     names = _fingerprint([options, tokenizer, corpus.names()])
@@ -292,25 +294,31 @@ def prepare(
         metadata = _write(corpus, text_field, bad_rows, document_tokenizer, num_proc, partial, shard_tokens)
         metadata.source_fingerprint = fingerprint
         metadata.extra = {"part_index": part_index, "num_parts": num_parts, "add_bos": add_bos, "separator": separator}
-        metadata.extra.update(bad_rows_skipped=bad_rows.count, inputs_fingerprint=names)
+        metadata.extra.update(bad_rows_skipped=bad_rows.count, empty_documents_skipped=bad_rows.empty)
+        metadata.extra.update(inputs_fingerprint=names)
         metadata.write(partial)
         _publish(partial, output)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     if bad_rows.count:
         log.warning("skipped %d rows without text, e.g. %s", bad_rows.count, "; ".join(bad_rows.examples[:3]))
-    log.info("wrote %d tokens in %d documents to %s", metadata.num_tokens, metadata.num_documents, output)
+    empty = f" (skipped {bad_rows.empty} empty documents)" if bad_rows.empty else ""
+    log.info("wrote %d tokens in %d documents to %s%s", metadata.num_tokens, metadata.num_documents, output, empty)
     return metadata
 
 
 def tokenize_to_memory(
-    corpus: Corpus, tokenizer: str, text_field: str = "text", add_bos: bool = False
+    corpus: Corpus, tokenizer: str, text_field: str = "text", add_bos: bool = False, on_bad_row: str = "raise"
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """``(tokens, document_starts, vocabulary)`` of a small corpus (an evaluation set), in this process."""
     document_tokenizer = DocumentTokenizer(tokenizer, add_bos=add_bos)
-    parts = list(tokenized(document_batches(corpus, text_field, BadRows()), document_tokenizer, num_proc=1))
+    bad_rows = BadRows(on_bad_row)
+    parts = list(tokenized(document_batches(corpus, text_field, bad_rows), document_tokenizer, num_proc=1))
     if not parts:
         raise PrepareError(f"no documents in the inputs: {corpus.describe()}")
+    if bad_rows.count or bad_rows.empty:
+        log.warning("evaluation set %s: skipped %d rows without text and %d empty documents",
+                    corpus.describe(), bad_rows.count, bad_rows.empty)
     tokens = np.concatenate([t for t, _ in parts])
     lengths = np.concatenate([n for _, n in parts])
     log.info("tokenized the evaluation set %s: %d tokens in %d documents", corpus.describe(), len(tokens), len(lengths))
@@ -342,7 +350,8 @@ def _write(
             bar.set_postfix(tokens=writer.num_tokens, refresh=False)
     metadata = writer.close()
     if metadata.num_documents == 0:
-        raise PrepareError(f"no documents in the inputs: {corpus.describe()}")
+        empty = f" ({bad_rows.empty} empty documents skipped)" if bad_rows.empty else ""
+        raise PrepareError(f"no documents in the inputs: {corpus.describe()}{empty}")
     log.info("tokenized at %.0f tokens/s", metadata.num_tokens / max(time.perf_counter() - started, 1e-9))
     metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer.name, tokenizer.separator_id, max_id
     metadata.bos_id = tokenizer.bos_id
@@ -362,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--add-bos", action="store_true", help="start every document with the BOS token")
     parser.add_argument("--separator", default="eos", help="token ending every document (default: eos)")
     parser.add_argument("--on-bad-row", choices=("raise", "skip"), default="raise", help="rows without text")
+    parser.add_argument(
+        "--keep-empty-documents", action="store_true", help="keep empty texts as separator-only documents"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an output of other inputs or options")
     parser.add_argument("--num-parts", type=int, default=1, help="split the inputs into this many parts ...")
     parser.add_argument("--part-index", type=int, default=0, help="... and prepare this one into output/part-0000i")
@@ -383,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             add_bos=args.add_bos,
             separator=args.separator,
             on_bad_row=args.on_bad_row,
+            keep_empty_documents=args.keep_empty_documents,
             overwrite=args.overwrite,
             num_parts=args.num_parts,
             part_index=args.part_index,

@@ -65,13 +65,20 @@ def _split_suffix(name: str) -> tuple[str | None, str | None]:
     return _KINDS.get(Path(lower).suffix), compression
 
 
+SKIP_HINT = "on_bad_row='skip' (the prepare command's --on-bad-row skip) counts and skips such rows"
+
+
 @dataclass
 class BadRows:
-    """Rows without usable text: raised at the first (``raise``) or counted and skipped (``skip``)."""
+    """Rows without usable text: raised at the first (``raise``) or counted and skipped (``skip``).
+    Empty documents (``""``: an empty file, an empty text) are counted in ``empty`` and skipped,
+    unless ``keep_empty`` (each would be a document of nothing but its separator)."""
 
     policy: str = "raise"
     count: int = 0
     examples: list[str] = field(default_factory=list)
+    keep_empty: bool = False
+    empty: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in BAD_ROW_POLICIES:
@@ -86,7 +93,7 @@ class BadRows:
         )
         message = f"{where}: text field {text_field!r} {problem}"
         if self.policy == "raise":
-            raise PrepareError(f"{message} (pass --on-bad-row skip to count and skip such rows)")
+            raise PrepareError(f"{message} ({SKIP_HINT})")
         self.count += 1
         if len(self.examples) < 5:
             self.examples.append(message)
@@ -98,6 +105,13 @@ class BadRows:
             text = self.text(value, where, text_field)
             if text is not None:
                 yield text
+
+    def is_empty(self, text: str) -> bool:
+        """Whether ``text`` is an empty document to skip (counted)."""
+        if text or self.keep_empty:
+            return False
+        self.empty += 1
+        return True
 
 
 def file_stamp(path: Path, name: str | None = None) -> str:
@@ -394,6 +408,8 @@ def document_batches(corpus: Corpus, text_field: str, bad_rows: BadRows) -> Iter
     batch: list[str] = []
     characters = 0
     for text in corpus.documents(text_field, bad_rows):
+        if bad_rows.is_empty(text):
+            continue
         batch.append(text)
         characters += len(text)
         if len(batch) >= BATCH_DOCUMENTS or characters >= BATCH_CHARACTERS:

@@ -47,6 +47,8 @@ class TextStream(Stream):
         seed: the seed of the unit and row orders.
         add_bos: start every document with the tokenizer's BOS token.
         shuffle_rows: rows read in one seeded order (the shuffle's reach inside a unit).
+        on_bad_row: a row without text stops the stream (``"raise"``) or is skipped (``"skip"``).
+            Empty texts are always skipped; a reader logs what it skipped at the end of each pass.
     """
 
     def __init__(
@@ -59,10 +61,11 @@ class TextStream(Stream):
         seed: int = 0,
         add_bos: bool = False,
         shuffle_rows: int = 10_000,
+        on_bad_row: str = "raise",
     ) -> None:
         self.units, self.tokenizer = units, tokenizer
         self.seq_len, self.batch_size, self.pack_sequences = seq_len, batch_size, pack_sequences
-        self.seed, self.add_bos, self.shuffle_rows = seed, add_bos, shuffle_rows
+        self.seed, self.add_bos, self.shuffle_rows, self.on_bad_row = seed, add_bos, shuffle_rows, on_bad_row
         self._identity = {
             "data": units.identity(),
             "tokenizer": tokenizer_identity(tokenizer),
@@ -71,6 +74,7 @@ class TextStream(Stream):
             "seed": seed,
             "add_bos": add_bos,
             "shuffle_rows": shuffle_rows,
+            **({"on_bad_row": on_bad_row} if on_bad_row != "raise" else {}),
         }
         self._split_for: int | None = None
 
@@ -104,25 +108,30 @@ class TextStream(Stream):
         return permute(np.arange(rows), rows, round_keys(self.seed ^ key, pass_, np.zeros(rows)))
 
     def _documents_from(
-        self, reader: int, num_readers: int, cursor: tuple[int, int, int, int]
+        self, reader: int, num_readers: int, cursor: tuple[int, int, int, int], skipped: list[int]
     ) -> Iterator[tuple[tuple[int, int, int, int], str]]:
         """``(cursor after it, text)`` of each document reader ``reader`` reads in the cursor's
-        pass, from the cursor ``(pass, unit slot, block, row)`` on."""
+        pass, from the cursor ``(pass, unit slot, block, row)`` on; rows skipped are counted in ``skipped[0]``."""
         pass_, first_slot, first_block, first_row = cursor
         units = self.units_of(reader, num_readers, pass_).tolist()
         for slot in range(first_slot, len(units)):
             blocks = self.units.blocks(units[slot], first_block, self.shuffle_rows)
             for block, (table, start, values) in enumerate(blocks, start=first_block):
-                check_texts(table, start, values, self.units.text_field)
+                if self.on_bad_row == "raise":
+                    check_texts(table, start, values, self.units.text_field)
                 order = self._row_order(pass_, units[slot], block, len(values))
                 for row in range(first_row, len(values)):
-                    yield (pass_, slot, block, row + 1), values[order[row]]
+                    text = values[order[row]]
+                    if isinstance(text, str) and text:
+                        yield (pass_, slot, block, row + 1), text
+                    else:
+                        skipped[0] += 1
                 first_row = 0
             first_block = 0
 
     def documents(self, reader: int, num_readers: int, pass_: int) -> Iterator[str]:
         """The documents reader ``reader`` reads in pass ``pass_``, in its order (for checks)."""
-        return (text for _, text in self._documents_from(reader, num_readers, (pass_, 0, 0, 0)))
+        return (text for _, text in self._documents_from(reader, num_readers, (pass_, 0, 0, 0), [0]))
 
     def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
         if reader in self.idle_readers(num_readers):
@@ -134,7 +143,8 @@ class TextStream(Stream):
         pieces, flags, have = [tokens], [starts], len(tokens)
         need = self.batch_size * self.seq_len + 1  # a batch's windows, overlapping by one token
         while True:
-            pass_start, documents = cursor[1:] == (0, 0, 0), self._documents_from(reader, num_readers, cursor)
+            skipped = [0]
+            pass_start, documents = cursor[1:] == (0, 0, 0), self._documents_from(reader, num_readers, cursor, skipped)
             while chunk := list(itertools.islice(documents, _TOKENIZE_ROWS)):
                 ids, lengths = encode([text for _, text in chunk])
                 for (cursor, _), doc in zip(
@@ -158,6 +168,8 @@ class TextStream(Stream):
                 units = self.units_of(reader, num_readers, cursor[0]).tolist()
                 raise ValueError(f"reader {reader} of {num_readers}: its units {units} hold no documents")
             log.debug("stream reader %d finished pass %d", reader, cursor[0])
+            if skipped[0]:
+                log.info("stream reader %d skipped %d empty texts or rows without text in pass %d", reader, skipped[0], cursor[0])
             cursor = (cursor[0] + 1, 0, 0, 0)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:

@@ -219,3 +219,19 @@ def test_a_stream_validates_on_val_split_not_val_fraction(tmp_path: Path, tokeni
     dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=50), val_fraction=0.1)
     with pytest.raises(ValueError, match=r"val_fraction=0.1 needs the tokenized cache \(streaming=False\)"):
         dm.setup("fit")
+
+
+def test_empty_texts_are_skipped_and_on_bad_row_skip_skips_nulls(
+    tmp_path: Path, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    texts = [None if i % 7 == 3 else ("" if i % 5 == 0 else d) for i, d in enumerate(DOCS[:60])]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=20)
+    dm = stream_dm(tokenizer, data_files=str(tmp_path / "d.parquet"), on_bad_row="skip")
+    stream = dm.build_stream()
+    read = list(stream.documents(0, 1, 0))
+    assert sorted(read) == sorted(t for t in texts if t)
+    with caplog.at_level(logging.INFO):
+        for _ in zip(range(40), stream.read(0, 1, None), strict=False):
+            pass
+    skipped = sum(1 for t in texts if not t)
+    assert f"stream reader 0 skipped {skipped} empty texts or rows without text in pass 0" in caplog.text

@@ -217,3 +217,28 @@ def test_a_split_a_saved_single_dataset_does_not_have_is_refused_through_fit(
 def test_a_val_split_naming_the_training_split_fails_at_construction(tmp_path: Path, tokenizer: str) -> None:
     with pytest.raises(ValueError, match="val_split 'train' is the training split: it would validate on the training"):
         make_dm(tmp_path, tokenizer, val_split="train")
+
+
+def test_empty_texts_never_become_documents_of_only_eos_in_training(tmp_path: Path, tokenizer: str) -> None:
+    texts = [d if i % 4 else "" for i, d in enumerate(DOCS)]
+    dm = make_dm(tmp_path, tokenizer, data_files=str(jsonl(tmp_path / "gappy.jsonl", texts)), pack_sequences=True)
+    model = RecordingModel()
+    quiet_trainer(max_steps=3).fit(model, datamodule=dm)
+    metadata = json.loads((dm.source.cache_path("train") / "metadata.json").read_text())
+    assert metadata["extra"]["empty_documents_skipped"] == texts.count("")
+    assert metadata["num_documents"] == len(texts) - texts.count("")
+    eos = AutoTokenizer.from_pretrained(tokenizer).eos_token_id
+    tokens = all_tokens(TokenShards(dm.source.cache_path("train")))
+    assert not np.any((tokens[1:] == eos) & (tokens[:-1] == eos)) and tokens[0] != eos
+
+
+def test_on_bad_row_skip_counts_and_skips_null_texts_as_the_error_suggests(tmp_path: Path, tokenizer: str) -> None:
+    datasets.Dataset.from_dict({"text": ["a b", "c", None, "d e"]}).save_to_disk(tmp_path / "saved")
+    with pytest.raises(PrepareError, match=r"saved row 2: text field 'text' is null \(on_bad_row='skip'"):
+        make_dm(tmp_path, tokenizer, path=str(tmp_path / "saved")).prepare_data()
+    dm = make_dm(tmp_path, tokenizer, path=str(tmp_path / "saved"), on_bad_row="skip", seq_len=2, batch_size=1)
+    dm.prepare_data()
+    metadata = json.loads((dm.source.cache_path("train") / "metadata.json").read_text())
+    assert metadata["extra"]["bad_rows_skipped"] == 1 and metadata["num_documents"] == 3
+    with pytest.raises(ValueError, match="on_bad_row must be one of \\('raise', 'skip'\\), got 'ignore'"):
+        make_dm(tmp_path, tokenizer, on_bad_row="ignore")

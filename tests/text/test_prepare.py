@@ -385,3 +385,20 @@ def test_command_line_writes_shards_a_datamodule_trains_on(tmp_path: Path, token
 def test_dtype_is_uint16_when_the_vocabulary_fits_else_uint32() -> None:
     assert smallest_token_dtype(65535) == "uint16"
     assert smallest_token_dtype(65536) == "uint32"
+
+
+def test_empty_documents_are_counted_and_skipped_unless_kept(
+    tmp_path: Path, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "docs.jsonl").write_bytes(jsonl([DOCS[0], "", DOCS[1], ""]))
+    (tmp_path / "in" / "empty.txt").write_text("")
+    inputs = [str(tmp_path / "in" / "docs.jsonl"), str(tmp_path / "in" / "empty.txt")]
+    with caplog.at_level("INFO"):
+        meta = prepare(inputs, tmp_path / "out", tokenizer, num_proc=1)
+    assert meta.extra["empty_documents_skipped"] == 3 and meta.num_documents == 2
+    assert "in 2 documents" in caplog.text and "(skipped 3 empty documents)" in caplog.text
+    assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:2]
+    kept = prepare(inputs, tmp_path / "kept", tokenizer, num_proc=1, keep_empty_documents=True)
+    assert kept.num_documents == 5 and kept.extra["empty_documents_skipped"] == 0
+    assert decoded_documents(tmp_path / "kept", tokenizer) == [DOCS[0], "", DOCS[1], "", ""]
