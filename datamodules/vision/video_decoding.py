@@ -1,7 +1,10 @@
 """Decoding the frames nearest to chosen timestamps of a clip with PyAV, seeking only when it saves work.
 
-A clip is opened once; its duration comes from the container, else the video stream, else a
-fallback the caller knows (a manifest's), else by counting the stream's packets. Targets are visited
+A clip is opened once; its timing is the video stream's own: the first frame's time (the packets
+of its first keyframe interval) and the last frame's (the packets from its last keyframe on), both
+demuxed without decoding, never the container's duration, which includes an audio track that may
+outlast the video. Only a stream without timestamps takes the container's or a manifest's length,
+else counts its packets. Targets are visited
 in order: when the keyframe before the next target lies past the frame just decoded (keyframes taken
 as evenly spaced from the first two),
 the decoder seeks (to the keyframe before the target) instead of decoding every frame in between;
@@ -29,6 +32,7 @@ from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.plan.storage import is_url
 
 _PROBE_PACKETS = 2000  # packets read at most to find the second keyframe
+_END = 2**62  # a seek target past any stream's end: lands on its last keyframe
 
 
 @dataclass(frozen=True)
@@ -68,47 +72,82 @@ def _packet_times(container: Any, stream: Any) -> Iterator[tuple[float | None, b
             yield _seconds(packet.pts, stream.time_base), bool(packet.is_keyframe)
 
 
+def _last_packet_time(container: Any, stream: Any) -> float | None:
+    """The latest presentation time among the packets from the stream's last keyframe on, demuxed
+    (not decoded); ``None`` where there are none (a file cut before its last keyframe)."""
+    latest = None
+    try:
+        container.seek(_END, stream=stream, backward=True, any_frame=False)
+        for time, _ in _packet_times(container, stream):
+            if time is not None and (latest is None or time > latest):
+                latest = time
+    except av.FFmpegError:  # no index to seek by, or a damaged tail: the caller falls back
+        return None
+    return latest
+
+
 def probe(container: Any, path: str, fallback_duration: float | None = None) -> ClipInfo:
-    """The clip's duration, frame rate, first timestamp and keyframe spacing; a ``BadSample`` if
-    it has no video stream or no length."""
+    """The clip's video timing: its first and last frame times (from packet timestamps, demuxed, not
+    decoded), frame rate and keyframe spacing. The container's duration, which includes any audio, is
+    used only for a stream without timestamps. A ``BadSample`` if there is no video stream, no
+    length, or the video ends well before its own stream header says."""
     stream = _stream(container, path)
-    start = _seconds(stream.start_time, stream.time_base) or 0.0
-    duration = container.duration / av.time_base if container.duration else None
-    duration = duration or _seconds(stream.duration, stream.time_base) or fallback_duration
     keyframes: list[float] = []
     times: list[float] = []
     packets = 0
-    counted = duration is None
     for time, keyframe in _packet_times(container, stream):
         packets += 1
         if time is not None:
             times.append(time)
             if keyframe:
                 keyframes.append(time)
-        if not counted and (len(keyframes) > 1 or packets >= _PROBE_PACKETS):
+        if len(keyframes) > 1 or packets >= _PROBE_PACKETS:
             break
-    rate = stream.average_rate or stream.guessed_rate
-    frame_rate = float(rate) if rate else None
-    if counted and packets:  # no length anywhere: count the frames
-        if len(times) > 1:
-            frame_rate = frame_rate or (len(times) - 1) / max(max(times) - min(times), 1e-9)
-            duration = max(times) - start + 1.0 / frame_rate
-        elif frame_rate:
-            duration = packets / frame_rate
-    if not duration or duration <= 0 or not packets:
+    if not packets:
         raise BadSample(f"{path} has no frames (zero length)")
-    if not frame_rate or not math.isfinite(frame_rate):
-        frame_rate = packets / duration
+    rate = stream.average_rate or stream.guessed_rate
+    frame_rate = float(rate) if rate and math.isfinite(float(rate)) and rate > 0 else None
+    header = _seconds(stream.duration, stream.time_base)
+    if times:
+        start = min(times)
+        frame_rate = frame_rate or _rate_of(times)
+        last = _last_packet_time(container, stream)
+        header_end = (_seconds(stream.start_time, stream.time_base) or 0.0) + header if header else None
+        if last is None:  # the tail is missing: trust the header, and decoding finds where it really ends
+            last = max(max(times), header_end - 1.0 / frame_rate if header_end else -math.inf)
+        elif header_end is not None and header_end - (last + 1.0 / frame_rate) > 1.5 / frame_rate:
+            raise BadSample(
+                f"{path}: the video stream ends at {last - start:.3f} s, before the {header_end - start:.3f} s "
+                "its header states"
+            )
+        duration = last - start + 1.0 / frame_rate
+    else:  # no timestamps at all (a raw stream): the container's or the caller's length, else count
+        start = _seconds(stream.start_time, stream.time_base) or 0.0
+        duration = container.duration / av.time_base if container.duration else None
+        duration = duration or header or fallback_duration
+        if duration is None:
+            packets += sum(1 for _ in _packet_times(container, stream))
+            duration = packets / frame_rate if frame_rate else None
+    if not duration or duration <= 0:
+        raise BadSample(f"{path} has no frames (zero length)")
+    frame_rate = frame_rate or packets / duration
     interval = keyframes[1] - keyframes[0] if len(keyframes) > 1 else math.inf
     return ClipInfo(float(duration), float(frame_rate), start, interval, keyframes[0] if keyframes else start)
 
 
-def _nearest(target: float, before: tuple[float, Any] | None, after: tuple[float, Any] | None) -> Any:
+def _rate_of(times: list[float]) -> float:
+    """Frames per second of packets at ``times`` (at least one)."""
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if len(times) > 1 and span > 0 else 1.0
+
+
+def _nearest(target: float, before: tuple[float, Any] | None, after: tuple[float, Any] | None, tie: float) -> Any:
+    """The frame nearest ``target``; within ``tie`` seconds of the midpoint, the earlier one."""
     if after is None:
         return before[1]
     if before is None:
         return after[1]
-    return before[1] if target - before[0] <= after[0] - target else after[1]
+    return before[1] if (target - before[0]) - (after[0] - target) <= tie else after[1]
 
 
 class FrameReader:
@@ -177,6 +216,9 @@ class FrameReader:
         """One converted frame per timestamp (seconds from the clip's start, sorted)."""
         info = self.info
         tolerance = 1.5 / info.frame_rate  # a target this far past the last frame: the stream ended early
+        # Frame times are whole ticks of the stream's time base: a target that far from the midpoint
+        # of two frames is a tie (float rounding of seconds must not decide it), and goes earlier.
+        tie = float(self.container.streams.video[0].time_base or 0) * 1e-6
         out: list[np.ndarray] = []
         frames: Iterator[tuple[float, Any]] | None = None
         before: tuple[float, Any] | None = None  # the last frame decoded before the target
@@ -204,7 +246,7 @@ class FrameReader:
                     f"{self.path}: the stream ends {end}{why}, before {t - info.start:.3f} s of its stated "
                     f"duration {info.duration:.3f} s"
                 )
-            out.append(self.convert(_nearest(t, before, after)))
+            out.append(self.convert(_nearest(t, before, after, tie)))
         return out
 
 

@@ -17,7 +17,7 @@ from datamodules import MixtureComponent, MixtureDataModule, VideoDataModule, Vi
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, BadSample
 from examples.default_images import train_caption_tokenizer
 from tests.support import RecordingModel, quiet_trainer
-from tests.vision.video_data import clip_seconds, nearest_reference, video_caption, video_folder
+from tests.vision.video_data import clip_seconds, encode_clip, nearest_reference, video_caption, video_folder
 
 SIZE, TEXT_LEN, TOKENS, FRAMES = 16, 24, 2, 6
 
@@ -152,6 +152,22 @@ def test_a_manifest_path_leaving_data_root_is_refused_at_setup(tmp_path: Path, t
 
 
 BROKEN = {1: "empty", 2: "corrupt", 5: "audio", 6: "cut"}
+
+
+def test_clips_whose_audio_outlasts_or_stops_before_the_video_train_normally(tmp_path: Path, tokenizer: str) -> None:
+    root = video_folder(tmp_path / "videos", 4)
+    for i, extra in enumerate([0.1, 0.3, -0.4, 0.0]):  # audio this much longer than the clip's video
+        seconds = clip_seconds(i)
+        encode_clip(root / "clips" / f"{i:03d}.mp4", seconds, 10, size=(40, 30), audio_seconds=seconds + extra)
+    dm = ready(make_dm(root, tokenizer))
+    batch = next(iter(dm.train_dataloader()))
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    for b in range(4):
+        clip = clip_of(batch["input_ids"][b, TOKENS:].tolist(), tok)
+        n = min(max(round(clip_seconds(clip) * 2.0), 1), FRAMES)
+        assert batch["frame_mask"][b].tolist() == [True] * n + [False] * (FRAMES - n), clip
+        assert batch["timestamps"][b, n - 1] == pytest.approx(clip_seconds(clip) - 0.1)  # the last video frame
+    assert dm.bad_samples.replacements == 0
 
 
 def test_broken_clips_are_masked_with_no_loss_and_counted(tmp_path: Path, tokenizer: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.images import BadSample
 from datamodules.vision.video_decoding import FrameReader, open_clip, probe, read_frames
-from tests.vision.video_data import encode_clip, frame_picture, nearest_reference
+from tests.vision.video_data import decode_everything, encode_clip, frame_picture, nearest_reference
 
 
 def rgb(frame: av.VideoFrame) -> np.ndarray:
@@ -76,6 +76,46 @@ def test_frames_equal_the_decode_everything_reference(tmp_path, clip, policy):
         np.testing.assert_array_equal(got, want)  # pixel-equal: the same decoded frame
 
 
+VFR_TIMES = np.cumsum([0.0, *np.random.default_rng(0).uniform(0.02, 0.09, 99)]).round(3).tolist()
+
+
+def uniform_frames(path: Path, max_frames: int = 8) -> tuple[np.ndarray, list[np.ndarray]]:
+    policy = frame_sampler("uniform", max_frames, fps=30.0)
+    return read_frames(str(path), lambda info: policy.timestamps(info.duration, info.frame_rate, 0), rgb)
+
+
+@pytest.mark.parametrize("audio_seconds", [4.1, 4.3, 3.6], ids=["audio +0.1 s", "audio +0.3 s", "audio -0.4 s"])
+def test_an_audio_track_longer_or_shorter_than_the_video_does_not_change_its_timing(tmp_path, audio_seconds):
+    path = encode_clip(tmp_path / "clip.mp4", 4.0, 30, audio_seconds=audio_seconds, bframes=True)
+    with av.open(str(path)) as container:
+        assert (container.duration / 1e6 > 4.05) == (audio_seconds > 4)  # the container's length is the audio's
+    times, frames = uniform_frames(path, max_frames=120)
+    reference_times, _ = decode_everything(path)
+    assert len(frames) == 120 and times[-1] == pytest.approx(reference_times[-1]) == pytest.approx(119 / 30)
+    for got, want in zip(frames, nearest_reference(path, times), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("suffix", ["mp4", "mkv"])
+def test_a_variable_frame_rate_clip_is_sampled_to_its_last_frame(tmp_path, suffix):
+    path = encode_clip(tmp_path / f"vfr.{suffix}", 0, frame_times=VFR_TIMES, bframes=True, keyframe_every=30)
+    times, frames = uniform_frames(path)
+    reference_times, _ = decode_everything(path)
+    assert times[0] == 0 and times[-1] == pytest.approx(VFR_TIMES[-1]) == pytest.approx(reference_times[-1])
+    for got, want in zip(frames, nearest_reference(path, times), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_timestamp_exactly_between_two_frames_gets_the_earlier_one(tmp_path):
+    times = [i / 10 for i in range(20)]  # 0.1 s apart, in a 1/1000 s time base
+    path = encode_clip(tmp_path / "ties.mp4", 0, frame_times=times)
+    midpoints = np.array([0.05 + i / 10 for i in range(19)])  # 0.45 is a little above 0.45 as a float
+    _, frames = read_frames(str(path), lambda info: midpoints, rgb)
+    _, pictures = decode_everything(path)
+    for i, got in enumerate(frames):
+        np.testing.assert_array_equal(got, pictures[i])
+
+
 def test_seeks_only_when_keyframes_are_dense(tmp_path):
     def decode(path: Path) -> FrameReader:
         container = open_clip(str(path))
@@ -118,6 +158,8 @@ def broken_clips(root: Path) -> dict[str, tuple[Path, str]]:
     (root / "text.mp4").write_text("not a video\n")
     whole = encode_clip(root / "whole.mp4", 10, 30, keyframe_every=30, faststart=True).read_bytes()
     (root / "cut.mp4").write_bytes(whole[: len(whole) // 2])  # the index promises 10 s
+    sparse = encode_clip(root / "sparse.mp4", 10, 30, keyframe_every=90, faststart=True).read_bytes()
+    (root / "cut_tail.mp4").write_bytes(sparse[: len(sparse) * 95 // 100])  # cut after its last keyframe
     with av.open(str(root / "audio.mp4"), "w") as container:
         stream = container.add_stream("aac", rate=16000)
         for i in range(10):
@@ -130,6 +172,7 @@ def broken_clips(root: Path) -> dict[str, tuple[Path, str]]:
         "corrupt": (root / "noise.mp4", "cannot be opened as a video"),
         "text": (root / "text.mp4", "cannot be opened as a video"),
         "ends early": (root / "cut.mp4", "of its stated duration 10.000 s"),
+        "ends in its last keyframe interval": (root / "cut_tail.mp4", "the video stream ends at 9.* the 10.000 s its header"),
         "no video stream": (root / "audio.mp4", "has no video stream"),
         "missing": (root / "absent.mp4", "cannot be opened as a video"),
     }

@@ -29,9 +29,12 @@ def encode_clip(
     keyframe_every: int | None = None,
     frame_times: list[float] | None = None,
     faststart: bool = False,
+    audio_seconds: float | None = None,
+    bframes: bool = False,
 ) -> Path:
-    """An MP4 of ``seconds`` at ``fps`` (or frames at ``frame_times``: a variable frame rate), a
-    keyframe every ``keyframe_every`` frames (default: x264's choice)."""
+    """An MP4 (or MKV, by suffix) of ``seconds`` at ``fps`` (or frames at ``frame_times``: a variable
+    frame rate), a keyframe every ``keyframe_every`` frames (default: x264's choice), B-frames as
+    x264 places them with ``bframes``, and an AAC track of ``audio_seconds`` beside it if given."""
     times = frame_times if frame_times is not None else [i / fps for i in range(round(seconds * fps))]
     options = {"movflags": "faststart"} if faststart else {}
     with av.open(str(path), "w", options=options) as container:
@@ -43,7 +46,16 @@ def encode_clip(
         codec_options = {"preset": "ultrafast", "bframes": "0"} if keyframe_every is None else {}
         if keyframe_every is not None:
             codec_options = {"g": str(keyframe_every), "keyint_min": str(keyframe_every), "sc_threshold": "0"}
+        if bframes:
+            codec_options = {k: v for k, v in codec_options.items() if k not in ("preset", "bframes")}
         stream.codec_context.options = codec_options
+        audio = container.add_stream("aac", rate=16000) if audio_seconds else None
+        for i in range(round((audio_seconds or 0) * 16000 / 1024)):
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            samples.sample_rate, samples.pts = 16000, i * 1024
+            container.mux(audio.encode(samples))
+        if audio is not None:
+            container.mux(audio.encode(None))
         for i, t in enumerate(times):
             frame = av.VideoFrame.from_ndarray(frame_picture(i, size), format="rgb24")
             frame.pts = round(t / stream.time_base)
