@@ -25,13 +25,13 @@ VOCAB_SIZE = 50_257  # GPT-2's: fits uint16, like most token shards in practice
 _WRITE_CHUNK = 1 << 24  # tokens generated and written per step, so memory stays flat at any size
 
 
-def result_of(command: list[str], timeout: float) -> dict[str, Any]:
-    """Run ``command`` (a measurement in a fresh process, from the repository root) and return the JSON
-    it printed on a ``RESULT `` line, or ``{"error": ...}`` with its last line of stderr."""
+def result_of(command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``command`` (a measurement in a fresh process, from the repository root, in ``env``) and return
+    the JSON it printed on a ``RESULT `` line, or ``{"error": ...}`` with its last line of stderr."""
     import subprocess
 
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout:.0f} s"}
     for line in done.stdout.splitlines():

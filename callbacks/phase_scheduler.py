@@ -183,7 +183,9 @@ class PhaseScheduler(Callback):
             self._unscaled.discard(id(optimizer))
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # The checkpoint holds the scheduler's own (unscaled) LR; on resume the callback scales it again.
         for optimizer, saved in zip(trainer.optimizers, checkpoint.get("optimizer_states", []), strict=False):
             for group, saved_group in zip(optimizer.param_groups, saved.get("param_groups", []), strict=False):

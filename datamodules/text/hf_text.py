@@ -80,7 +80,9 @@ class HFTextSource(SourceSpec):
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.val_split is not None and self.val_split == self.split:
-            raise ValueError(f"val_split {self.val_split!r} is the training split: it would validate on the training rows")
+            raise ValueError(
+                f"val_split {self.val_split!r} is the training split: it would validate on the training rows"
+            )
         if self.val_split is not None and self.val_fraction > 0:
             raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
         if self.num_proc is not None:
@@ -149,7 +151,15 @@ class HFTextSource(SourceSpec):
             )
         units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
         return TextStream(
-            units, self.tokenizer, seq_len, batch_size, pack_sequences, seed, self.add_bos, shuffle_rows, self.on_bad_row
+            units,
+            self.tokenizer,
+            seq_len,
+            batch_size,
+            pack_sequences,
+            seed,
+            self.add_bos,
+            shuffle_rows,
+            self.on_bad_row,
         )
 
     def evaluation_windows(

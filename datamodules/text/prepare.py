@@ -317,8 +317,12 @@ def tokenize_to_memory(
     if not parts:
         raise PrepareError(f"no documents in the inputs: {corpus.describe()}")
     if bad_rows.count or bad_rows.empty:
-        log.warning("evaluation set %s: skipped %d rows without text and %d empty documents",
-                    corpus.describe(), bad_rows.count, bad_rows.empty)
+        log.warning(
+            "evaluation set %s: skipped %d rows without text and %d empty documents",
+            corpus.describe(),
+            bad_rows.count,
+            bad_rows.empty,
+        )
     tokens = np.concatenate([t for t, _ in parts])
     lengths = np.concatenate([n for _, n in parts])
     log.info("tokenized the evaluation set %s: %d tokens in %d documents", corpus.describe(), len(tokens), len(lengths))

@@ -169,7 +169,12 @@ class TextStream(Stream):
                 raise ValueError(f"reader {reader} of {num_readers}: its units {units} hold no documents")
             log.debug("stream reader %d finished pass %d", reader, cursor[0])
             if skipped[0]:
-                log.info("stream reader %d skipped %d empty texts or rows without text in pass %d", reader, skipped[0], cursor[0])
+                log.info(
+                    "stream reader %d skipped %d empty texts or rows without text in pass %d",
+                    reader,
+                    skipped[0],
+                    cursor[0],
+                )
             cursor = (cursor[0] + 1, 0, 0, 0)
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:

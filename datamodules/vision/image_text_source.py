@@ -106,7 +106,9 @@ class ImageTextSource(SourceSpec):
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.val_split is not None and self.val_split == self.split:
-            raise ValueError(f"val_split {self.val_split!r} is the training split: it would validate on the training rows")
+            raise ValueError(
+                f"val_split {self.val_split!r} is the training split: it would validate on the training rows"
+            )
         if self.val_split is not None and self.val_fraction > 0:
             raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
         if self.prompt_field is not None and self.prompt:

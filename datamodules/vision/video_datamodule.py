@@ -26,7 +26,7 @@ class VideoDataModule(PlanDataModule):
 
     Args:
         data_root, tokenizer, dataset_type, manifest, val_manifest, val_fraction, layout_options,
-            frame_sampling, frame_options, max_frames, image_size, resize_mode, mean, std,
+            frame_sampling, frame_options, max_frames, frame_accuracy, image_size, resize_mode, mean, std,
             num_video_tokens, image_token, add_bos, prompt, on_broken_clip, storage_options, file_cache_dir,
             file_cache_bytes: see ``VideoSource``; ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, placeholders included.
@@ -55,6 +55,7 @@ class VideoDataModule(PlanDataModule):
         frame_sampling: str = "uniform",
         frame_options: dict[str, Any] | None = None,
         max_frames: int = 8,
+        frame_accuracy: str = "exact",
         image_size: int = 224,
         resize_mode: str = "crop",
         mean: tuple[float, float, float] | None = None,
@@ -93,6 +94,7 @@ class VideoDataModule(PlanDataModule):
             frame_sampling=frame_sampling,
             frame_options=dict(frame_options or {}),
             max_frames=max_frames,
+            frame_accuracy=frame_accuracy,
             image_size=image_size,
             resize_mode=resize_mode,
             mean=mean,

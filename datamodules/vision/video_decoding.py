@@ -18,8 +18,10 @@ frame rate needs nothing special.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,23 +143,37 @@ def _rate_of(times: list[float]) -> float:
     return (len(times) - 1) / span if len(times) > 1 and span > 0 else 1.0
 
 
-def _nearest(target: float, before: tuple[float, Any] | None, after: tuple[float, Any] | None, tie: float) -> Any:
-    """The frame nearest ``target``; within ``tie`` seconds of the midpoint, the earlier one."""
+def _nearest_pair(
+    target: float, before: tuple[float, Any] | None, after: tuple[float, Any] | None, tie: float
+) -> tuple[float, Any]:
+    """The ``(time, frame)`` nearest ``target``; within ``tie`` seconds of the midpoint, the earlier one."""
     if after is None:
-        return before[1]
+        return before
     if before is None:
-        return after[1]
-    return before[1] if (target - before[0]) - (after[0] - target) <= tie else after[1]
+        return after
+    return before if (target - before[0]) - (after[0] - target) <= tie else after
+
+
+FRAME_ACCURACIES = ("exact", "keyframe")
+_LOOKAHEAD = 17  # packets demuxed ahead of the decoder: past any H.264/HEVC reordering (16)
 
 
 class FrameReader:
     """The frames nearest to sorted timestamps of one open clip, each through ``convert``.
+
+    ``accuracy="exact"``: each target gets the nearest frame. Packets are demuxed a little ahead of
+    the decoder, so the presentation times around each packet are known; a packet that cannot be the
+    nearest frame of any target is decoded with ``skip_frame="NONREF"``, so the decoder drops it if
+    no other frame depends on it (a non-reference B-frame). Reference frames are always decoded, so
+    the frames returned are exactly a decode-everything reference's. ``"keyframe"``: only keyframes
+    are decoded (``"NONKEY"``) and each target gets the nearest keyframe.
 
     Args:
         container: an open PyAV input container, already probed. path: the clip, for messages and
             to reopen it (a stream that cannot seek back, such as raw H.264, is read again).
         info: its ``probe``. convert: a decoded ``av.VideoFrame`` to an array (RGB, resized).
         files: how ``path`` is read (a URL through the storage layer).
+        accuracy: ``"exact"`` or ``"keyframe"``.
     """
 
     def __init__(
@@ -167,19 +183,26 @@ class FrameReader:
         info: ClipInfo,
         convert: Callable[[Any], np.ndarray],
         files: RemoteFiles = LOCAL_FILES,
+        accuracy: str = "exact",
     ) -> None:
+        if accuracy not in FRAME_ACCURACIES:
+            raise ValueError(f"frame_accuracy must be one of {FRAME_ACCURACIES}, got {accuracy!r}")
         self.container = container
         self.path = path
         self.files = files
         self.info = info
         self.convert = convert
+        self.accuracy = accuracy
         self.seeks = 0
         self.decoded = 0
         self.damage = ""  # why decoding stopped early, if it did
         self.last_time = -math.inf  # the latest frame decoded
+        self.times: list[float] = []  # each target's frame's own time (seconds from the clip's start)
+        self._targets = np.empty(0)  # absolute seconds, sorted
 
-    def _frames(self, at: float | None) -> Iterator[tuple[float, Any]]:
-        """Decoded frames with their times, from the keyframe before ``at`` (``None``: the start)."""
+    def _seek(self, at: float | None) -> tuple[Any, float | None]:
+        """The video stream positioned at the keyframe before ``at`` (``None``: the start), and ``at``
+        (``None`` when the clip had to be read again from the start)."""
         stream = self.container.streams.video[0]
         try:
             if at is None:
@@ -191,39 +214,80 @@ class FrameReader:
             self.container.close()
             self.container, at = open_clip(self.path, files=self.files), None
             stream = self.container.streams.video[0]
-        frames = self.container.decode(stream)
-        index = 0
+        return stream, at
+
+    def _skip(self, time: float | None, known: list[float]) -> str:
+        """How to decode a packet presented at ``time``, given the times of the packets demuxed so far."""
+        if self.accuracy == "keyframe":
+            return "NONKEY"
+        if time is None:
+            return "DEFAULT"
+        # The targets for which this frame is the nearest lie between the midpoints to its
+        # neighbours. A neighbour not demuxed yet only widens the span: decoding more, never less.
+        i = bisect.bisect_left(known, time)
+        low = (known[i - 1] + time) / 2 - 1e-6 if i > 0 else -math.inf
+        high = (time + known[i + 1]) / 2 + 1e-6 if i + 1 < len(known) else math.inf
+        first = np.searchsorted(self._targets, low, side="left")
+        return "DEFAULT" if first < len(self._targets) and self._targets[first] <= high else "NONREF"
+
+    def _frames(self, at: float | None) -> Iterator[tuple[float, Any]]:
+        """Decoded frames with their times, from the keyframe before ``at`` (``None``: the start)."""
+        stream, at = self._seek(at)
+        context, time_base = stream.codec_context, stream.time_base
+        packets = self.container.demux(stream)
+        ahead: deque = deque()
+        known: list[float] = []  # presentation times of the packets demuxed since the seek, sorted
+        index, ended, flushed = 0, False, False
         while True:
             try:
-                frame = next(frames)
-            except StopIteration:
-                return
+                while not ended and len(ahead) < _LOOKAHEAD:
+                    packet = next(packets, None)
+                    if packet is None:
+                        ended = True
+                    elif packet.size:
+                        ahead.append(packet)
+                        if packet.pts is not None:
+                            bisect.insort(known, float(packet.pts * time_base))
+                if ahead:
+                    packet = ahead.popleft()
+                    time = None if packet.pts is None else float(packet.pts * time_base)
+                    context.skip_frame = self._skip(time, known)
+                    frames = context.decode(packet)
+                else:
+                    frames, flushed = context.decode(None), True  # the frames still in the decoder
             except av.FFmpegError as err:  # a damaged packet: the stream ends here
                 self.damage = f"{type(err).__name__}: {err}"
                 return
-            self.decoded += 1
-            if frame.pts is not None:
-                time = float(frame.pts * stream.time_base)
-            elif at is None:  # a stream without timestamps: the frame's place in it
-                time = self.info.start + index / self.info.frame_rate
-            else:
-                continue
-            index += 1
-            self.last_time = max(self.last_time, time)
-            yield time, frame
+            for frame in frames:
+                self.decoded += 1
+                if frame.pts is not None:
+                    time = float(frame.pts * time_base)
+                elif at is None:  # a stream without timestamps: the frame's place in it
+                    time = self.info.start + index / self.info.frame_rate
+                else:
+                    continue
+                index += 1
+                self.last_time = max(self.last_time, time)
+                yield time, frame
+            if flushed:
+                return
 
     def read(self, timestamps: np.ndarray) -> list[np.ndarray]:
         """One converted frame per timestamp (seconds from the clip's start, sorted)."""
         info = self.info
-        tolerance = 1.5 / info.frame_rate  # a target this far past the last frame: the stream ended early
+        # A target this far past the last frame decoded: the stream ended early (keyframe mode: a
+        # keyframe interval further; a stream that broke off ends early however close).
+        tolerance = 1.5 / info.frame_rate + (info.keyframe_interval if self.accuracy == "keyframe" else 0)
         # Frame times are whole ticks of the stream's time base: a target that far from the midpoint
         # of two frames is a tie (float rounding of seconds must not decide it), and goes earlier.
         tie = float(self.container.streams.video[0].time_base or 0) * 1e-6
+        self._targets = np.asarray(timestamps, dtype=np.float64) + info.start
         out: list[np.ndarray] = []
+        self.times = []
         frames: Iterator[tuple[float, Any]] | None = None
         before: tuple[float, Any] | None = None  # the last frame decoded before the target
         after: tuple[float, Any] | None = None  # the first frame at or past it
-        for t in np.asarray(timestamps, dtype=np.float64) + info.start:
+        for t in self._targets:
             decoded_up_to = after[0] if after else before[0] if before else info.first_keyframe
             # Seek when the keyframe before the target lies past what is decoded: the frames between
             # are then skipped rather than decoded.
@@ -238,7 +302,8 @@ class FrameReader:
                     after = next(frames, None)
             while after is not None and after[0] < t:
                 before, after = after, next(frames, None)
-            if after is None and (before is None or t - before[0] > tolerance):
+            broke_off = self.damage and self.accuracy == "keyframe"
+            if after is None and (before is None or t - before[0] > tolerance or broke_off):
                 last = self.last_time - info.start
                 end = f"at {last:.3f} s" if math.isfinite(last) else "before its first frame"
                 why = f" ({self.damage})" if self.damage else ""
@@ -246,7 +311,9 @@ class FrameReader:
                     f"{self.path}: the stream ends {end}{why}, before {t - info.start:.3f} s of its stated "
                     f"duration {info.duration:.3f} s"
                 )
-            out.append(self.convert(_nearest(t, before, after, tie)))
+            chosen = _nearest_pair(t, before, after, tie)
+            self.times.append(chosen[0] - info.start)
+            out.append(self.convert(chosen[1]))
         return out
 
 
@@ -280,16 +347,19 @@ def read_frames(
     convert: Callable[[Any], np.ndarray],
     fallback_duration: float | None = None,
     files: RemoteFiles = LOCAL_FILES,
+    accuracy: str = "exact",
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """``(timestamps, frames)`` of a clip: ``timestamps_for(probe)`` chooses the seconds, each gets
-    its nearest frame. Any decoding failure is a ``BadSample`` naming the file."""
+    its nearest frame (``accuracy="keyframe"``: its nearest keyframe, and the timestamps returned are
+    those keyframes' own times). Any decoding failure is a ``BadSample`` naming the file."""
     container = open_clip(path, files=files)
     try:
         info = probe(container, path, fallback_duration)
         timestamps = np.sort(np.asarray(timestamps_for(info), dtype=np.float64))
-        reader = FrameReader(container, path, info, convert, files)
+        reader = FrameReader(container, path, info, convert, files, accuracy)
         try:
-            return timestamps, reader.read(timestamps)
+            frames = reader.read(timestamps)
+            return (np.array(reader.times) if accuracy == "keyframe" else timestamps), frames
         finally:
             container = reader.container
     except av.FFmpegError as err:

@@ -48,8 +48,10 @@ class VideoSamples:
         name: str,
         details: dict[str, Any],
         files: RemoteFiles = LOCAL_FILES,
+        accuracy: str = "exact",
     ) -> None:
         self.files = files
+        self.accuracy = accuracy
         self.dataset = dataset
         self.split = split
         self.data_root = data_root
@@ -105,6 +107,7 @@ class VideoSamples:
                 self._frame,
                 duration,
                 self.files,
+                self.accuracy,
             )
         except BadSample as err:
             where = f"{self.name} row {row_index} ({row['video']})"

@@ -16,6 +16,7 @@ from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.image_text_samples import RowSplit
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
+from datamodules.vision.video_decoding import FRAME_ACCURACIES
 from datamodules.vision.video_layouts import video_layout
 from datamodules.vision.video_samples import BROKEN_CLIP_POLICIES, VideoSamples
 
@@ -40,6 +41,10 @@ class VideoSource(SourceSpec):
         frame_sampling: the policy (``FRAME_SAMPLERS``): ``"uniform"`` (``fps``, ``min_frames``)
             or ``"fixed_count"`` (``num_frames``, ``random_offset``), with its ``frame_options``.
         max_frames: the frame axis of every batch; fewer sampled frames are masked out.
+        frame_accuracy: ``"exact"`` (default: each timestamp gets its nearest frame, exactly as a
+            decode-everything reference), or ``"keyframe"``: its nearest keyframe, decoding only
+            keyframes (several times faster where keyframes are sparse); ``timestamps`` then hold
+            those keyframes' own times.
         image_size, resize_mode, mean, std: frames resized and normalized as in ``ImageTextSource``.
         num_video_tokens: placeholder positions for the clip's embeddings in the text (0: none).
         image_token: the placeholders' token (default: the pad id). add_bos: start with BOS.
@@ -62,6 +67,7 @@ class VideoSource(SourceSpec):
     frame_sampling: str = "uniform"
     frame_options: dict[str, Any] = field(default_factory=dict)
     max_frames: int = 8
+    frame_accuracy: str = "exact"
     image_size: int = 224
     resize_mode: str = "crop"
     mean: tuple[float, float, float] | None = None
@@ -79,6 +85,7 @@ class VideoSource(SourceSpec):
         self.data_root = str(self.data_root)
         self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
+        check_policy(self.frame_accuracy, FRAME_ACCURACIES, "frame_accuracy")
         require_int("image_size", self.image_size, 1)
         require_int("num_video_tokens", self.num_video_tokens, 0)
         if self.resize_mode not in RESIZE_MODES:
@@ -126,6 +133,7 @@ class VideoSource(SourceSpec):
             "max_text_len": seq_len,
             "num_video_tokens": self.num_video_tokens,
             "prompt": self.prompt,
+            **({"frame_accuracy": self.frame_accuracy} if self.frame_accuracy != "exact" else {}),
         }
 
         def samples(dataset: Any, split: RowSplit, split_name: str) -> VideoSamples:
@@ -133,7 +141,7 @@ class VideoSource(SourceSpec):
             where = f"{self.manifest}:{split_name}"
             return VideoSamples(
                 dataset, split, self.data_root, self.sampler, pixels, labels, self.prompt, self.on_broken_clip,
-                where, details, self.files,
+                where, details, self.files, self.frame_accuracy,
             )  # fmt: skip
 
         train = self.layout.load(self.manifest)

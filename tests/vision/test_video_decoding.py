@@ -172,7 +172,10 @@ def broken_clips(root: Path) -> dict[str, tuple[Path, str]]:
         "corrupt": (root / "noise.mp4", "cannot be opened as a video"),
         "text": (root / "text.mp4", "cannot be opened as a video"),
         "ends early": (root / "cut.mp4", "of its stated duration 10.000 s"),
-        "ends in its last keyframe interval": (root / "cut_tail.mp4", "the video stream ends at 9.* the 10.000 s its header"),
+        "ends in its last keyframe interval": (
+            root / "cut_tail.mp4",
+            "the video stream ends at 9.* the 10.000 s its header",
+        ),
         "no video stream": (root / "audio.mp4", "has no video stream"),
         "missing": (root / "absent.mp4", "cannot be opened as a video"),
     }
@@ -184,3 +187,33 @@ def test_broken_clips_are_bad_samples_naming_the_file(tmp_path):
         with pytest.raises(BadSample, match=message) as caught:
             read_frames(str(path), lambda info: policy.timestamps(info.duration, info.frame_rate, 0), rgb)
         assert str(path) in str(caught.value), kind
+
+
+def test_non_reference_frames_are_skipped_and_the_frames_stay_the_references(tmp_path):
+    path = encode_clip(tmp_path / "b.mp4", 20, 30, bframes=True, keyframe_every=600)  # one keyframe
+    container = open_clip(str(path))
+    info = probe(container, str(path))
+    reader = FrameReader(container, str(path), info, rgb)
+    times = frame_sampler("fixed_count", 8).timestamps(info.duration, info.frame_rate, 0)
+    frames = reader.read(times)
+    container.close()
+    reference_times, _ = decode_everything(path)
+    through_last = int(np.searchsorted(reference_times, times[-1])) + 1
+    assert reader.seeks == 0 and reader.decoded < 0.9 * through_last  # B-frames no later frame needs: skipped
+    for got, want in zip(frames, nearest_reference(path, times), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("keyframe_every", [15, 75, 600])
+def test_keyframe_accuracy_returns_the_nearest_keyframes_with_their_own_times(tmp_path, keyframe_every):
+    path = encode_clip(tmp_path / "k.mp4", 10, 30, bframes=True, keyframe_every=keyframe_every)
+    targets = np.array([0.2, 0.24, 1.3, 2.5, 2.6, 5.0, 7.49, 9.9])
+    times, frames = read_frames(str(path), lambda info: targets, rgb, accuracy="keyframe")
+    reference_times, pictures = decode_everything(path)
+    keyframes = reference_times[::keyframe_every]
+    expected = [int(np.argmin(np.abs(keyframes - t))) * keyframe_every for t in targets]
+    np.testing.assert_allclose(times, reference_times[expected])
+    for got, index in zip(frames, expected, strict=True):
+        np.testing.assert_array_equal(got, pictures[index])
+    with av.open(str(path)) as container:
+        assert all(frame.key_frame for frame in container.decode(video=0) if frame.time in set(times))
