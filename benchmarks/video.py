@@ -9,7 +9,7 @@ a target when that skips frames, else decode forward, non-reference frames no ta
 by ``skip_frame="NONREF"``), ours at ``frame_accuracy="keyframe"`` (keyframes only), the whole stream
 (decode every frame from the start through the last target, keep the nearest: what a
 decode-everything loader does) and torchcodec in its ``exact`` and ``approximate`` seek modes
-(``get_frames_played_at``, in a process of its own: ``benchmarks/video_torchcodec.py``); all convert
+(``get_frames_played_at``, in a process of its own: ``benchmarks/peer_decoders/torchcodec_speed.py``); all convert
 and resize the 8 frames alike. Frames decoded per clip are counted once, untimed: the whole stream
 over ours exact is the ceiling of exact decoding's speed-up. The loader: ``train_dataloader()`` at
 ``num_workers`` 0 and 2 (captions tokenized, uint8 frames as they go to the device, where
@@ -43,7 +43,7 @@ from benchmarks.common import (
     results_directory,
 )
 from benchmarks.loader_throughput import endless, throughput
-from benchmarks.video_torchcodec import environment
+from benchmarks.peer_decoders.torchcodec_speed import environment
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.images import ResizeImage
 from datamodules.vision.video_decoding import FrameReader, open_clip, probe, read_frames
@@ -160,8 +160,9 @@ def frames_decoded(path: str, accuracy: str | None) -> int:
 
 
 def torchcodec_speed(mode: str, paths: list[str], image_size: int, timed: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "benchmarks.video_torchcodec", "--seek-mode", mode, "--timed", str(timed)]
-    return result_of([*command, "--image-size", str(image_size), *paths], timeout=120 + 4 * timed, env=environment())
+    command = [sys.executable, "-m", "benchmarks.peer_decoders.torchcodec_speed", "--seek-mode", mode]
+    command += ["--timed", str(timed), "--image-size", str(image_size), *paths]
+    return result_of(command, timeout=120 + 4 * timed, env=environment())
 
 
 def clip_speed(decode: Callable[[str], Any], paths: list[str], seconds: float) -> float:

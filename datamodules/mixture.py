@@ -140,6 +140,11 @@ class MixtureDataModule(PlanDataModule):
         self._check_weights(self.base_weights, "base weights")
         self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
         self._logged_step: int | None = None
+        # Sources as plain values (no credentials, no objects): checkpoints load with weights_only.
+        self.save_hyperparameters(ignore=["sources"])
+        self.hparams["sources"] = {
+            c.name: {"weight": c.weight, "source": c.source.hyperparameters()} for c in components
+        }
 
     def _check_weights(self, weights: list[float], what: str) -> None:
         if not sum(weights) > 0:
@@ -168,7 +173,9 @@ class MixtureDataModule(PlanDataModule):
     def source_specs(self) -> list[SourceSpec]:
         return [c.source for c in self.components]
 
-    def build_sources(self) -> list[tuple[str, Source, Source | None]]:
+    test_options = "give one of its sources a test split (test_fraction, test_split, test_dir or test_manifest)"
+
+    def build_sources(self) -> list[tuple[str, Source, dict[str, Source]]]:
         built = [
             (c.name, *c.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero)) for c in self.components
         ]
@@ -245,6 +252,9 @@ class MixtureDataModule(PlanDataModule):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=row)
         return batch
+
+    def source_weights(self) -> list[float]:
+        return list(self.probabilities_at(getattr(self.trainer, "global_step", 0)))
 
     def realized_counts(self, position: int | None = None) -> dict[str, dict[str, int]]:
         """Samples, tokens and started passes of every source in positions ``[0, position)``

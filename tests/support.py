@@ -106,6 +106,7 @@ class RecordingModel(LightningModule):
         self.record_path = record_path
         self.records: list[dict] = []
         self.validation_rows: list[str] = []
+        self.test_rows: list[str] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         real = real_rows(batch)
@@ -132,6 +133,12 @@ class RecordingModel(LightningModule):
         if self.record_path:
             with open(f"{self.record_path}.val.rank{self.global_rank}", "a") as f:
                 f.write(json.dumps(rows) + "\n")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.test_rows += sample_digests(batch, real_rows(batch))
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> list[str]:
+        return sample_digests(batch, real_rows(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)

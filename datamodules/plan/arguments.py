@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 
 def require_int(name: str, value: object, minimum: int, error: type[Exception] = ValueError) -> int:
     """``value`` if it is an integer ``>= minimum``; a float such as ``64.0`` is refused, not truncated."""
@@ -9,3 +12,45 @@ def require_int(name: str, value: object, minimum: int, error: type[Exception] =
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise error(f"{name} must be {what}, got {value!r}")
     return value
+
+
+def program_name(module: str) -> str:
+    """How a command was started, for its ``--help`` and errors: its console-script name
+    (``lm-datamodules-prepare``), else ``python -m <module>``."""
+    name = Path(sys.argv[0]).name
+    return name if name.startswith("lm-datamodules") else f"python -m {module}"
+
+
+QUICKSTART_HINT = "; the configs read the quickstart's data: run `python -m examples.quickstart` first"
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` can only be a local path (not a hub name): it starts with ``.``, ``/`` or ``~``,
+    or a folder it names exists here."""
+    parent = Path(name).expanduser().parent
+    return name.startswith((".", "/", "~")) or (parent != Path(".") and parent.exists())
+
+
+def require_existing(option: str, path: object, only_if_local: bool = False) -> None:
+    """An error naming ``option`` at construction when ``path`` is a local path that does not exist
+    (a URL, ``None``, or with ``only_if_local`` a name that may be a hub name, passes)."""
+    if path is None or "://" in str(path):
+        return
+    name = str(path)
+    if (only_if_local and not looks_local(name)) or Path(name).expanduser().exists():
+        return
+    hint = QUICKSTART_HINT if ".cache/quickstart" in name else ""
+    raise ValueError(f"{option} {name!r} does not exist{hint}")
+
+
+def check_held_out(option: tuple[str, object, str, float], other_fraction: float = 0.0) -> None:
+    """A held-out split given as its own data (``option[:2]``, e.g. ``("val_dir", path)``) or as a
+    fraction of the training data (``option[2:]``), not both; fractions in [0, 1) that leave training
+    data (``other_fraction``: the other held-out split's)."""
+    own, value, fraction_name, fraction = option
+    if not (isinstance(fraction, (int, float)) and 0.0 <= fraction < 1.0):
+        raise ValueError(f"{fraction_name} must be in [0, 1), got {fraction}")
+    if value is not None and fraction > 0:
+        raise ValueError(f"give {own} ({value!r}) or {fraction_name} ({fraction}), not both")
+    if fraction + other_fraction >= 1.0:
+        raise ValueError(f"{fraction_name}={fraction} and val_fraction={other_fraction} leave no training data")

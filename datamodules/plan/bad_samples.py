@@ -20,7 +20,12 @@ def check_policy(policy: str, allowed: tuple[str, ...] = ("raise", "skip"), opti
 
 
 class BadSampleLog:
-    """Counts the samples skipped so far in this process and logs each the first time it is seen."""
+    """Counts the samples skipped so far in this process and logs each the first time it is seen.
+
+    ``reasons``: each bad sample (``"<source>:<split> row <n> ..."``) and why, first seen first;
+    ``replacements``: how many times a bad sample was met (a sample met again counts again).
+    ``repr`` gives the counts per split and a few examples.
+    """
 
     def __init__(self, action: str = "skipped bad sample %s (%s) for a deterministic replacement") -> None:
         self.reasons: dict[str, str] = {}
@@ -38,3 +43,16 @@ class BadSampleLog:
                     reason,
                     len(self.reasons),
                 )
+
+    def __repr__(self) -> str:
+        if not self.reasons:
+            return "BadSampleLog(no bad samples)"
+        splits: dict[str, int] = {}
+        for sample in self.reasons:
+            split = sample.split(" row ", 1)[0]
+            splits[split] = splits.get(split, 0) + 1
+        per_split = ", ".join(f"{count} in {split}" for split, count in splits.items())
+        examples = "; ".join(f"{sample}: {reason}" for sample, reason in list(self.reasons.items())[:3])
+        return (
+            f"BadSampleLog({len(self.reasons)} bad samples met {self.replacements} times: {per_split}; e.g. {examples})"
+        )

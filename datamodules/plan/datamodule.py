@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
@@ -85,7 +85,7 @@ class PlanDataModule(LightningDataModule):
         self.plan: SamplePlan | None = None
         self.sources: list[PlannedSource] | None = None
         self._train: Source | None = None
-        self._vals: list[tuple[str, Source]] = []
+        self._held: dict[str, list[tuple[str, Source]]] = {}  # held-out splits by role: (source name, samples)
         self._sampler: PlanSampler | None = None
         self._anchor_positions = 0
         self._anchor_batches: int | None = None
@@ -97,9 +97,11 @@ class PlanDataModule(LightningDataModule):
         self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
         self.phases: list[dict[str, Any]] | None = None  # the PhaseScheduler's schedule, when one runs
         self._checkpoint_phases: list[dict[str, Any]] | None = None
+        self._summarized = False  # the data summary is shown once per fit
 
-    def build_sources(self) -> list[tuple[str, Source, Source | None]]:
-        """``(name, train, val)`` of every source; ``val`` is ``None`` without validation."""
+    def build_sources(self) -> list[tuple[str, Source | None, dict[str, Source]]]:
+        """``(name, train, held)`` of every source: ``held`` maps ``"validation"`` and ``"test"`` to
+        their samples, where the source has them (a bare ``Source`` or ``None`` is taken as validation)."""
         raise NotImplementedError
 
     def build_stream(self) -> Stream | None:
@@ -164,16 +166,17 @@ class PlanDataModule(LightningDataModule):
         return self._train is not None or self._stream is not None
 
     def setup(self, stage: str) -> None:
+        self._summarized = False
         if not self._built:
             stream = self.build_stream()
             if stream is not None:
                 self._stream = StreamTraining(stream, type(self).__name__)
-                self._vals = [(name, val) for name, _, val in self.build_sources() if val is not None]
+                self._held = held_by_role(self.build_sources())
         if not self._built:
             parts = self.build_sources()
             trains = [train for _, train, _ in parts]
             self._train = trains[0] if len(trains) == 1 else type(trains[0]).join(trains)
-            self._vals = [(name, val) for name, _, val in parts if val is not None]
+            self._held = held_by_role(parts)
             self.sources = [
                 PlannedSource(name, len(train), train.fingerprint, dict(getattr(train, "details", {})))
                 for name, train, _ in parts
@@ -358,34 +361,77 @@ class PlanDataModule(LightningDataModule):
             **options,
         )
 
+    def source_weights(self) -> list[float] | None:
+        """Each source's share of the samples at the current step (a mixture's); ``None``: one source."""
+        return None
+
     def _log_summary(self, steps_per_epoch: int) -> None:
-        """What the data is, once per fit on rank 0: samples, tokens, steps per epoch, passes implied."""
-        if not getattr(self.trainer, "is_global_zero", True):
+        """What the data is, once per fit on global rank 0, as a table in the style of Lightning's model
+        summary and through its rank-zero logger (shown without any logging set up)."""
+        if self._summarized or not getattr(self.trainer, "is_global_zero", True):
             return
+        self._summarized = True
         max_steps = getattr(self.trainer, "max_steps", -1)
-        drawn = self.plan.samples_drawn(max_steps * self.global_batch_size) if max_steps and max_steps > 0 else None
+        reads = max_steps is not None and max_steps > 0
+        drawn = self.plan.samples_drawn(max_steps * self.global_batch_size) if reads else None
+        weights = self.source_weights() or [1.0] * len(self.sources)
+        rows = []
         for i, source in enumerate(self.sources):
-            tokens = source.num_samples * source.details.get("seq_len", 0)
-            passes = (
-                f", max_steps={max_steps} reads it {drawn[i] / source.num_samples:.2f} times"
-                if drawn is not None
-                else ""
+            seq_len = source.details.get("seq_len", 0)
+            rows.append(
+                [
+                    str(i),
+                    source.name,
+                    f"{source.num_samples:,}",
+                    f"{source.num_samples * seq_len:,}" if seq_len else "-",
+                    f"{weights[i]:.4g}",
+                    f"{drawn[i] / source.num_samples:.2f}" if drawn is not None else "-",
+                ]
             )
-            log.info(
-                "%s source %r: %s samples%s, %d steps per epoch of %d samples%s",
-                type(self).__name__,
-                source.name,
-                f"{source.num_samples:,}",
-                f" ({tokens:,} tokens)" if tokens else "",
-                steps_per_epoch,
-                self.global_batch_size,
-                passes,
-            )
+        header = [
+            "",
+            "Source",
+            "Samples",
+            "Tokens",
+            "Weight",
+            f"Passes in max_steps={max_steps}" if reads else "Passes",
+        ]
+        widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+        lines = [
+            " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]
+        ]
+        lines.insert(1, "-" * len(lines[0]))
+        rank_zero_info(
+            f"{type(self).__name__}: {steps_per_epoch:,} steps per epoch of {self.global_batch_size:,} samples "
+            f"(batch_size {self.batch_size} x {self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} "
+            "accumulated)\n" + "\n".join(lines)
+        )
+
+    @property
+    def _vals(self) -> list[tuple[str, Source]]:
+        return self._held.get("validation", [])
+
+    def _held_loaders(self, role: str, options: str) -> DataLoader | list[DataLoader]:
+        """One loader per source holding a ``role`` split, each sample once across ranks."""
+        self._require_setup()
+        loaders = [self._val_loader(name, held) for name, held in self._held.get(role, [])]
+        if not loaders and role != "validation":
+            raise ValueError(f"{type(self).__name__} has no {role} split: {options}")
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    # How a family names its held-out splits, for the message of a test loader asked for without one.
+    test_options = "give it one (test_fraction, or the family's test_split, test_dir or test_manifest)"
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        self._require_setup()
-        loaders = [self._val_loader(name, val) for name, val in self._vals]
-        return loaders[0] if len(loaders) == 1 else loaders
+        return self._held_loaders("validation", "")
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The test split(s), evaluated as validation is: every sample once across ranks."""
+        return self._held_loaders("test", self.test_options)
+
+    def predict_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The test split(s) again, for ``Trainer.predict``: every sample once across ranks."""
+        return self._held_loaders("test", self.test_options)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """What a source leaves for the accelerator, on the batch once it is there (image sources
@@ -504,3 +550,15 @@ class PlanDataModule(LightningDataModule):
                 )
             self._resume_spans = list(out_of_order["spans"][self.dp_rank])
         self._saved_segments = [Segment(p, b, tuple(c)) for p, b, c in state_dict.get("segments", [])]
+
+
+def held_by_role(parts: list[tuple[str, Any, Any]]) -> dict[str, list[tuple[str, Source]]]:
+    """``build_sources``' held-out splits gathered by role: ``{"validation": [(name, samples), ...], ...}``."""
+    held: dict[str, list[tuple[str, Source]]] = {}
+    for name, _, splits in parts:
+        if not isinstance(splits, dict):  # a bare validation source (or None), as sources once returned
+            splits = {"validation": splits}
+        for role, samples in splits.items():
+            if samples is not None:
+                held.setdefault(role, []).append((name, samples))
+    return held

@@ -6,6 +6,7 @@ process turns it into tensors, so worker processes never pay per-tensor IPC.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -237,6 +238,25 @@ class PlanDataLoader(DataLoader):
 class SourceSpec(ABC):
     """A configured source (a YAML entry): builds its training samples and validation samples."""
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """The source as a config names it (``class_path`` and ``init_args`` of plain values), for a
+        checkpoint's hyperparameters; ``storage_options`` (credentials) and objects are left out."""
+
+        def plain(value: Any) -> bool:
+            if isinstance(value, (list, tuple)):
+                return all(map(plain, value))
+            if isinstance(value, dict):
+                return all(isinstance(k, str) and plain(v) for k, v in value.items())
+            return value is None or isinstance(value, (str, int, float, bool))
+
+        names = [f.name for f in dataclasses.fields(self)] if dataclasses.is_dataclass(self) else []
+        fields = {name: getattr(self, name) for name in names if name != "storage_options"}
+        kind = type(self)
+        return {
+            "class_path": f"{kind.__module__}.{kind.__qualname__}",
+            "init_args": {name: value for name, value in fields.items() if plain(value)},
+        }
+
     def prepare(self) -> None:  # noqa: B027 (optional hook: most sources need no preparation)
         """Work done before ``build`` in one process per node, or one in all (Lightning's
         ``prepare_data``), such as tokenizing into a cache; nothing by default."""
@@ -244,8 +264,9 @@ class SourceSpec(ABC):
     @abstractmethod
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[Source, Source | None]:
-        """``(train, val)``; ``val`` is ``None`` when the source holds out nothing.
+    ) -> tuple[Source, dict[str, Source]]:
+        """``(train, held)``: the training samples and the held-out splits by role
+        (``{"validation": ..., "test": ...}``, each present only when configured).
 
         ``on_rank_zero(make)`` runs ``make`` on global rank 0 and hands its value to every rank
         (``computed_on_rank_zero``); a source that loads something only one process should touch

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from datamodules.plan.arguments import program_name
 from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.hf_loading import load_split, one_line
 from datamodules.speculative.hidden_states_store import HiddenStateFiles, check_states
@@ -117,7 +118,11 @@ def verifier_states(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program_name("datamodules.speculative.generate"),
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data-dir", required=True, help="the save_to_disk folder (input_ids, loss_mask, seq_len)")
     parser.add_argument("--model", required=True, help="a transformers causal LM: hub name or local path")
     parser.add_argument(

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import require_existing, require_int
 from datamodules.plan.bad_samples import BadSampleLog, check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
@@ -133,6 +133,7 @@ class HiddenStatesDataModule(PlanDataModule):
             in_order=in_order,
         )
         self.data_dir = str(data_dir)
+        require_existing("data_dir", self.data_dir)
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
         self.hidden_states_dir = str(hidden_states_dir or f"{self.data_dir.rstrip('/')}/hidden_states")
         self.storage_options = storage_options
@@ -162,6 +163,8 @@ class HiddenStatesDataModule(PlanDataModule):
         self.save_hyperparameters(ignore=["preprocess", "server", "storage_options"])  # no credentials
         # Plain values, so ``torch.load(weights_only=True)`` reads the checkpoint.
         self.hparams["server"] = asdict(server) if server is not None else None
+
+    test_options = "its rows split into training and validation only (train_ratio), as speculators' do"
 
     def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
         dataset = self._load()

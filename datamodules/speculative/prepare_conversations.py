@@ -21,7 +21,7 @@ from typing import Any
 
 import datasets
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained, load_split, one_line
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,9 @@ def prepare_conversations(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=program_name("datamodules.speculative.prepare_conversations"), description=__doc__.split("\n")[0]
+    )
     parser.add_argument("inputs", nargs="+", help="JSON/JSONL/parquet files, or a save_to_disk folder or hub name")
     parser.add_argument("--tokenizer", required=True, help="a transformers tokenizer with a chat template")
     parser.add_argument("--output", required=True, help="the save_to_disk folder to write")

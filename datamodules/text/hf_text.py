@@ -8,6 +8,7 @@ never reused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
@@ -49,6 +50,8 @@ class HFTextSource(SourceSpec):
             tokenizes it (in ``setup``) and broadcasts the tokens, so no other rank touches the
             dataset or its cache; or
         val_fraction: hold out this fraction of the training tokens (the tail) for validation.
+        test_split, test_fraction: the same for the test split (``Trainer.test``); a fraction is the
+            very tail, after the validation tail.
         cache_dir: where the token shards go, one folder per set of inputs and options. It must
             be shared by the ranks of a node (or by all ranks, with ``prepare_data_per_node=False``).
         add_bos: start every document with the tokenizer's BOS token (EOS always ends it).
@@ -75,18 +78,20 @@ class HFTextSource(SourceSpec):
     on_bad_row: str = "raise"
     load_kwargs: dict[str, Any] = field(default_factory=dict)
     storage_options: dict[str, Any] | None = None
+    test_split: str | None = None
+    test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val_split is not None and self.val_split == self.split:
-            raise ValueError(
-                f"val_split {self.val_split!r} is the training split: it would validate on the training rows"
-            )
-        if self.val_split is not None and self.val_fraction > 0:
-            raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
+        check_held_out(("val_split", self.val_split, "val_fraction", self.val_fraction))
+        check_held_out(("test_split", self.test_split, "test_fraction", self.test_fraction), self.val_fraction)
+        for option, split in (("val_split", self.val_split), ("test_split", self.test_split)):
+            if split is not None and split == self.split:
+                role = "validate" if option == "val_split" else "test"
+                raise ValueError(f"{option} {split!r} is the training split: it would {role} on the training rows")
         if self.num_proc is not None:
             require_int("num_proc", self.num_proc, 1)
+        require_existing("path", self.path, only_if_local=True)
+        require_existing("tokenizer", self.tokenizer, only_if_local=True)
         if self.on_bad_row not in BAD_ROW_POLICIES:
             raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
 
@@ -126,29 +131,34 @@ class HFTextSource(SourceSpec):
             )
         return TokenShards(path)
 
-    def _evaluation_set(self) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-        corpus = self._corpus(self.val_split)
+    def _evaluation_set(self, split: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+        corpus = self._corpus(split)
         return tokenize_to_memory(corpus, self.tokenizer, self.text_field, self.add_bos, self.on_bad_row)
 
-    def _evaluation_shards(self, on_rank_zero: RankZero | None) -> TokenShards | None:
-        if self.val_split is None:
+    def _evaluation_shards(self, split: str | None, on_rank_zero: RankZero | None) -> TokenShards | None:
+        """A held-out split tokenized on global rank 0 and broadcast; ``None`` for no split."""
+        if split is None:
             return None
-        tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(self._evaluation_set)
-        return TokenShards.from_tokens(tokens, starts, f"{self.path}:{self.val_split}", vocabulary)
+        make = functools.partial(self._evaluation_set, split)
+        tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(make)
+        return TokenShards.from_tokens(tokens, starts, f"{self.path}:{split}", vocabulary)
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[TokenWindows, TokenWindows | None]:
-        val = self._evaluation_shards(on_rank_zero)
-        return split_windows(self._open(self.split), val, self.val_fraction, seq_len, pack_sequences)
+    ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
+        val = self._evaluation_shards(self.val_split, on_rank_zero)
+        test = self._evaluation_shards(self.test_split, on_rank_zero)
+        shards = self._open(self.split)
+        return split_windows(shards, seq_len, pack_sequences, val, self.val_fraction, test, self.test_fraction)
 
     def stream(self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, shuffle_rows: int) -> TextStream:
         """The training split streamed: read, tokenized and packed as training goes (no cache)."""
-        if self.val_fraction > 0:
-            raise ValueError(
-                f"val_fraction={self.val_fraction} needs the tokenized cache (streaming=False); "
-                "a stream validates on val_split"
-            )
+        for option, fraction in (("val_fraction", self.val_fraction), ("test_fraction", self.test_fraction)):
+            if fraction > 0:
+                raise ValueError(
+                    f"{option}={fraction} needs the tokenized cache (streaming=False); "
+                    "a stream validates on val_split and tests on test_split"
+                )
         units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
         return TextStream(
             units,
@@ -164,10 +174,11 @@ class HFTextSource(SourceSpec):
 
     def evaluation_windows(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None
-    ) -> TokenWindows | None:
-        """Windows of ``val_split``, tokenized on global rank 0 and broadcast; ``None`` without one."""
-        val = self._evaluation_shards(on_rank_zero)
-        return None if val is None else TokenWindows(val, seq_len, pack_sequences=pack_sequences)
+    ) -> dict[str, TokenWindows]:
+        """Windows of ``val_split`` and ``test_split``, each tokenized on global rank 0 and broadcast."""
+        held = {"validation": self.val_split, "test": self.test_split}
+        shards = {role: self._evaluation_shards(split, on_rank_zero) for role, split in held.items()}
+        return {role: TokenWindows(s, seq_len, pack_sequences=pack_sequences) for role, s in shards.items() if s}
 
 
 class HFTextDataModule(PlanDataModule):
@@ -176,7 +187,8 @@ class HFTextDataModule(PlanDataModule):
 
     Args:
         path, tokenizer, name, split, data_files, text_field, val_split, val_fraction, cache_dir,
-            add_bos, num_proc, on_bad_row, load_kwargs, storage_options: see ``HFTextSource``; ``storage_options`` are
+            add_bos, num_proc, on_bad_row, load_kwargs, storage_options, test_split, test_fraction: see
+            ``HFTextSource``; ``storage_options`` are
             kept out of checkpoints.
         seq_len: tokens per sequence. batch_size: sequences per rank per micro-batch.
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
@@ -224,6 +236,8 @@ class HFTextDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        test_split: str | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__(
             batch_size,
@@ -258,6 +272,8 @@ class HFTextDataModule(PlanDataModule):
             on_bad_row=on_bad_row,
             load_kwargs=dict(load_kwargs or {}),
             storage_options=storage_options,
+            test_split=test_split,
+            test_fraction=test_fraction,
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
@@ -269,7 +285,9 @@ class HFTextDataModule(PlanDataModule):
             return None
         return self.source.stream(self.seq_len, self.batch_size, self.pack_sequences, self.seed, self.shuffle_rows)
 
-    def build_sources(self) -> list[tuple[str, TokenWindows | None, TokenWindows | None]]:
+    test_options = "give it test_split or test_fraction"
+
+    def build_sources(self) -> list[tuple[str, TokenWindows | None, dict[str, TokenWindows]]]:
         if self.streaming:
             return [
                 ("train", None, self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.on_rank_zero))

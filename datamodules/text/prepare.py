@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.plan.storage import is_url, storage_path
 from datamodules.text.prepare_inputs import (
@@ -363,7 +363,7 @@ def _write(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m datamodules.text.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name("datamodules.text.prepare"), description=__doc__)
     parser.add_argument("inputs", nargs="+", help="files, directories, a save_to_disk folder or a hub name")
     parser.add_argument("--output", required=True, help="directory for shards and metadata.json")
     parser.add_argument("--tokenizer", required=True, help="tokenizer name or local path (AutoTokenizer)")

@@ -23,6 +23,7 @@ class TokenShardDataModule(PlanDataModule):
         val_dir: shards for validation; or use ``val_fraction``.
         val_fraction: hold out this fraction of the tokens (the tail of the stream) for
             validation, with no token shared with training. Default 0: no validation.
+        test_dir, test_fraction: the same for ``Trainer.test`` (a fraction is the very tail).
         pack_sequences: document-aware batches (``position_ids`` restart per document,
             ``document_ids``, no loss across a document boundary). Needs ``metadata.json``.
         file_pattern: glob choosing the shard files of a directory without ``metadata.json``.
@@ -56,6 +57,8 @@ class TokenShardDataModule(PlanDataModule):
         storage_options: dict[str, Any] | None = None,
         prefetch_steps: int = PREFETCH_STEPS,
         io_threads: int = IO_THREADS,
+        test_dir: str | Path | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__(
             batch_size,
@@ -67,10 +70,11 @@ class TokenShardDataModule(PlanDataModule):
         )
         require_int("seq_len", seq_len, 1)
         self.source = TokenShardSource(
-            data_dir, val_dir, val_fraction, file_pattern, storage_options, prefetch_steps, io_threads
-        )
+            data_dir, val_dir, val_fraction, file_pattern, storage_options, prefetch_steps, io_threads, test_dir,
+            test_fraction,
+        )  # fmt: skip
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
-        data_dir, val_dir = self.source.data_dir, self.source.val_dir
+        data_dir, val_dir, test_dir = self.source.data_dir, self.source.val_dir, self.source.test_dir
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
         self.seq_len = seq_len
         self.pack_sequences = pack_sequences
@@ -78,5 +82,7 @@ class TokenShardDataModule(PlanDataModule):
     def source_specs(self) -> list[TokenShardSource]:
         return [self.source]
 
-    def build_sources(self) -> list[tuple[str, TokenWindows, TokenWindows | None]]:
+    test_options = "give it test_dir or test_fraction"
+
+    def build_sources(self) -> list[tuple[str, TokenWindows, dict[str, TokenWindows]]]:
         return [("train", *self.source.build(self.seq_len, self.pack_sequences))]

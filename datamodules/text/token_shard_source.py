@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.token_shards import IO_THREADS, PREFETCH_STEPS, TokenShards
 from datamodules.text.token_windows import TokenWindows
@@ -21,6 +21,8 @@ class TokenShardSource(SourceSpec):
         val_dir: shards for validation; or use ``val_fraction``.
         val_fraction: hold out this fraction of the tokens (the tail of the stream) for
             validation, with no token shared with training. Default 0: no validation.
+        test_dir, test_fraction: the same for the test split (``Trainer.test``); a ``test_fraction``
+            is the very tail, after the validation tail.
         file_pattern: glob choosing the shard files of a directory without ``metadata.json``
             (bare ``.npy``, or Megatron ``.idx``), e.g. ``"train_*.npy"``. Default: all of them.
         storage_options: for URL directories (``s3://bucket/corpus``), the fsspec filesystem's
@@ -37,6 +39,8 @@ class TokenShardSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     prefetch_steps: int = PREFETCH_STEPS
     io_threads: int = IO_THREADS
+    test_dir: str | None = None
+    test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         require_int("prefetch_steps", self.prefetch_steps, 1)
@@ -44,29 +48,52 @@ class TokenShardSource(SourceSpec):
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         self.data_dir = str(self.data_dir)
         self.val_dir = None if self.val_dir is None else str(self.val_dir)
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val_dir is not None and self.val_fraction > 0:
-            raise ValueError(f"give val_dir ({self.val_dir}) or val_fraction ({self.val_fraction}), not both")
+        self.test_dir = None if self.test_dir is None else str(self.test_dir)
+        check_held_out(("val_dir", self.val_dir, "val_fraction", self.val_fraction))
+        check_held_out(("test_dir", self.test_dir, "test_fraction", self.test_fraction), self.val_fraction)
+        for option in ("data_dir", "val_dir", "test_dir"):
+            require_existing(option, getattr(self, option))
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[TokenWindows, TokenWindows | None]:
+    ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
         reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads)
         shards = TokenShards(self.data_dir, *reading)
         val = None if self.val_dir is None else TokenShards(self.val_dir, *reading)
-        return split_windows(shards, val, self.val_fraction, seq_len, pack_sequences)
+        test = None if self.test_dir is None else TokenShards(self.test_dir, *reading)
+        return split_windows(shards, seq_len, pack_sequences, val, self.val_fraction, test, self.test_fraction)
 
 
 def split_windows(
-    shards: TokenShards, val: TokenShards | None, val_fraction: float, seq_len: int, pack_sequences: bool
-) -> tuple[TokenWindows, TokenWindows | None]:
-    """Training windows of ``shards`` and validation windows of ``val``, or of the held-out tail
-    (``val_fraction`` of the tokens, starting at a token no training window reads)."""
+    shards: TokenShards,
+    seq_len: int,
+    pack_sequences: bool,
+    val: TokenShards | None = None,
+    val_fraction: float = 0.0,
+    test: TokenShards | None = None,
+    test_fraction: float = 0.0,
+) -> tuple[TokenWindows, dict[str, TokenWindows]]:
+    """Training windows of ``shards`` and the held-out splits: validation and test windows of their
+    own shards (``val``, ``test``), or of held-out tails of the training tokens (``val_fraction``,
+    then ``test_fraction`` at the very end), each starting at a token no earlier split reads."""
     windows = {"seq_len": seq_len, "pack_sequences": pack_sequences}
-    if val is not None:
-        return TokenWindows(shards, **windows), TokenWindows(val, **windows)
-    if val_fraction == 0:
-        return TokenWindows(shards, **windows), None
-    split = shards.num_tokens - math.ceil(shards.num_tokens * val_fraction)
-    return TokenWindows(shards, last_token=split, **windows), TokenWindows(shards, first_token=split, **windows)
+    total = shards.num_tokens
+    tails = {
+        "validation": math.ceil(total * val_fraction) if val is None else 0,
+        "test": math.ceil(total * test_fraction) if test is None else 0,
+    }
+    counts = f"{total} tokens: {total - sum(tails.values())} train"
+    counts += "".join(f", {n} {role}" for role, n in tails.items() if n)
+    given = (("val_fraction", val_fraction), ("test_fraction", test_fraction))
+    fractions = ", ".join(f"{k}={v}" for k, v in given if v)
+    end = total - sum(tails.values())
+    train = TokenWindows(shards, last_token=end, split_name=f"the training split ({fractions} of {counts})", **windows)
+    held: dict[str, TokenWindows] = {}
+    for role, own in (("validation", val), ("test", test)):
+        if own is not None:
+            held[role] = TokenWindows(own, split_name=f"the {role} split", **windows)
+        elif tails[role]:
+            name = f"the {role} split ({fractions} of {counts})"
+            held[role] = TokenWindows(shards, first_token=end, last_token=end + tails[role], split_name=name, **windows)
+            end += tails[role]
+    return train, held

@@ -25,6 +25,7 @@ class TokenWindows:
         last_token: end of this split (exclusive); windows never read past it.
         pack_sequences: also return document boundaries, so batches carry ``position_ids`` that
             restart in every document, ``document_ids``, and no loss across a document boundary.
+        split_name: what this split is, for messages (e.g. "the validation split (val_fraction=0.01)").
     """
 
     def __init__(
@@ -34,6 +35,7 @@ class TokenWindows:
         first_token: int = 0,
         last_token: int | None = None,
         pack_sequences: bool = False,
+        split_name: str | None = None,
     ) -> None:
         self.shards = shards
         self.seq_len = seq_len
@@ -44,7 +46,7 @@ class TokenWindows:
         if span < seq_len + 1:
             raise ValueError(
                 f"seq_len={seq_len} needs at least {seq_len + 1} tokens, but {shards.directory} "
-                f"has {span} tokens in this split"
+                f"has {span} tokens in {split_name or 'this split'}"
             )
         if pack_sequences and shards.document_starts is None:
             raise ValueError(

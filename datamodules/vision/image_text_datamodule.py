@@ -27,7 +27,8 @@ class ImageTextDataModule(PlanDataModule):
         path, tokenizer, processor, name, split, data_files, image_field, text_field, prompt_field,
             prompt, image_size, resize_mode, mean, std, transform, num_image_tokens, image_token,
             add_bos, val_split, val_fraction, on_bad_sample, load_kwargs, storage_options, file_cache_dir,
-            file_cache_bytes: see ``ImageTextSource``; ``storage_options`` are kept out of checkpoints.
+            file_cache_bytes, test_split, test_fraction: see ``ImageTextSource``; ``storage_options`` are
+            kept out of checkpoints.
         max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding).
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
@@ -54,7 +55,7 @@ class ImageTextDataModule(PlanDataModule):
         prompt_field: str | None = None,
         prompt: str = "",
         image_size: int | None = None,
-        resize_mode: str = "crop",
+        resize_mode: str | None = None,
         mean: tuple[float, float, float] | None = None,
         std: tuple[float, float, float] | None = None,
         transform: Callable[[Any], Any] | None = None,
@@ -73,6 +74,8 @@ class ImageTextDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        test_split: str | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__(
             batch_size,
@@ -109,13 +112,17 @@ class ImageTextDataModule(PlanDataModule):
             storage_options=storage_options,
             file_cache_dir=file_cache_dir,
             file_cache_bytes=file_cache_bytes,
+            test_split=test_split,
+            test_fraction=test_fraction,
         )
         self.save_hyperparameters(ignore=["transform", "storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[ImageTextSource]:
         return [self.source]
 
-    def build_sources(self) -> list[tuple[str, ImageTextSamples, ImageTextSamples | None]]:
+    test_options = "give it test_split or test_fraction"
+
+    def build_sources(self) -> list[tuple[str, ImageTextSamples, dict[str, ImageTextSamples]]]:
         return [("train", *self.source.build(self.max_text_len, False, self.on_rank_zero))]
 
     @property

@@ -3,19 +3,24 @@ split into training and validation samples."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.plan.remote_files import RemoteFiles
-from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples, RowSplit
+from datamodules.vision.image_text_samples import (
+    HELD_OUT_NAMES,
+    ImageTextFields,
+    ImageTextSamples,
+    RowSplit,
+    held_out_rows,
+)
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs
@@ -48,17 +53,20 @@ class ImageTextSource(SourceSpec):
         text_field: the answer or caption column.
         prompt_field: the prompt column; or ``prompt``: one prompt for every row (default none).
         image_size: pixels per side (default 224); with a processor, the processor's.
-        resize_mode: ``"crop"`` (shorter side to ``image_size``, center crop; default) or ``"square"``.
+        resize_mode: ``"crop"`` (shorter side to ``image_size``, center crop; the default without a
+            processor) or ``"square"``; a processor resizes in its own way, so it is refused there.
         mean, std: per-channel normalization (default OpenAI CLIP's); a processor uses its own.
         transform: replaces our resize: an RGB PIL image to a ``[3, image_size, image_size]``
             tensor (uint8 is then normalized by mean/std, float is kept), e.g. a
             ``torchvision.transforms.v2.Compose`` by class path in YAML.
         num_image_tokens: placeholder positions per image, without a processor (0: none).
         image_token: the placeholder's token, without a processor (default: the pad id).
-        add_bos: without a processor, start each sample with the tokenizer's BOS token.
+        add_bos: without a processor, start each sample with the tokenizer's BOS token (a processor's
+            chat template decides that; refused there).
         val_split: a split of the dataset for validation; or
         val_fraction: hold out this fraction of the rows, chosen by a fixed keyed shuffle (not the
             tail: datasets are often sorted), disjoint from training.
+        test_split, test_fraction: the same for the test split (``Trainer.test``), disjoint from both.
         on_bad_sample: ``"raise"`` (default) or ``"skip"``: an unreadable image, a null text or a
             prompt too long for ``max_text_len`` is replaced by a stand-in drawn from its index,
             counted and logged.
@@ -80,7 +88,7 @@ class ImageTextSource(SourceSpec):
     prompt_field: str | None = None
     prompt: str = ""
     image_size: int | None = None
-    resize_mode: str = "crop"
+    resize_mode: str | None = None
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
     transform: Callable[[Any], Any] | None = None
@@ -94,23 +102,25 @@ class ImageTextSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     file_cache_dir: str | None = None
     file_cache_bytes: int | None = None
+    test_split: str | None = None
+    test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         self.path = str(self.path)
         self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_bad_sample)
+        for option in ("path", "tokenizer", "processor"):
+            require_existing(option, getattr(self, option), only_if_local=True)
         if self.image_size is not None:
             require_int("image_size", self.image_size, 1)
-        if self.resize_mode not in RESIZE_MODES:
+        if self.resize_mode is not None and self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val_split is not None and self.val_split == self.split:
-            raise ValueError(
-                f"val_split {self.val_split!r} is the training split: it would validate on the training rows"
-            )
-        if self.val_split is not None and self.val_fraction > 0:
-            raise ValueError(f"give val_split ({self.val_split!r}) or val_fraction ({self.val_fraction}), not both")
+        check_held_out(("val_split", self.val_split, "val_fraction", self.val_fraction))
+        check_held_out(("test_split", self.test_split, "test_fraction", self.test_fraction), self.val_fraction)
+        for option, split in (("val_split", self.val_split), ("test_split", self.test_split)):
+            if split is not None and split == self.split:
+                role = "validate" if option == "val_split" else "test"
+                raise ValueError(f"{option} {split!r} is the training split: it would {role} on the training rows")
         if self.prompt_field is not None and self.prompt:
             raise ValueError(f"give prompt_field ({self.prompt_field!r}) or prompt ({self.prompt!r}), not both")
         if self.processor is None:
@@ -124,6 +134,7 @@ class ImageTextSource(SourceSpec):
             require_int("num_image_tokens", self.num_image_tokens, 0)
         else:
             given = {"mean": self.mean, "std": self.std, "transform": self.transform, "image_token": self.image_token}
+            given.update(resize_mode=self.resize_mode, add_bos=self.add_bos or None)
             clash = [k for k, v in given.items() if v is not None]
             if clash:
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
@@ -136,7 +147,7 @@ class ImageTextSource(SourceSpec):
     def prepare(self) -> None:
         # Loading once per node builds datasets' Arrow cache, which every rank then memory-maps.
         if not is_saved_dataset(self.path, self.storage_options):
-            for split in (self.split, self.val_split):
+            for split in (self.split, self.val_split, self.test_split):
                 if split is not None:
                     self._load(split)
 
@@ -175,7 +186,7 @@ class ImageTextSource(SourceSpec):
             template, count = None, self.num_image_tokens
             pixels = ImagePixels(
                 self.image_size or DEFAULT_IMAGE_SIZE,
-                self.resize_mode,
+                self.resize_mode or "crop",
                 tuple(self.mean or CLIP_MEAN),
                 tuple(self.std or CLIP_STD),
                 self.transform,
@@ -187,7 +198,7 @@ class ImageTextSource(SourceSpec):
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
     ) -> tuple[ImageTextSamples, ImageTextSamples | None]:
-        """Training and validation samples of ``seq_len`` tokens (``max_text_len``) each."""
+        """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
         if pack_sequences:
             raise ValueError("image-text samples are not packed: use pack_sequences=False")
         pixels, labels, tokenizer = self._pixels_and_labels(seq_len)
@@ -197,7 +208,7 @@ class ImageTextSource(SourceSpec):
             "processor": self.processor,
             "fields": [self.image_field, self.text_field, self.prompt_field, self.prompt],
             "image_size": pixels.pixel_shape[-1] if isinstance(pixels, ProcessorInputs) else pixels.shape[-1],
-            "resize_mode": self.resize_mode,
+            "resize_mode": self.resize_mode or "crop",
             "transform": transform_name(self.transform),
             "max_text_len": seq_len,
             "num_image_tokens": labels.num_image_tokens,
@@ -211,16 +222,12 @@ class ImageTextSource(SourceSpec):
             )
 
         train = self._dataset(self.split)
-        n = len(train)
-        if self.val_split is not None:
-            val = self._dataset(self.val_split)
-            return samples(train, RowSplit(n), self.split), samples(val, RowSplit(len(val)), self.val_split)
-        if self.val_fraction == 0:
-            return samples(train, RowSplit(n), self.split), None
-        held_out = math.ceil(n * self.val_fraction)
-        if held_out >= n:
-            raise ValueError(f"val_fraction={self.val_fraction} of {n} rows leaves no training rows")
-        return (
-            samples(train, RowSplit(n, held_out, shuffled=True), self.split),
-            samples(train, RowSplit(n, 0, held_out, shuffled=True), f"{self.split}[held out]"),
-        )
+        held = {
+            role: samples(dataset, RowSplit(len(dataset)), split)
+            for role, split in (("validation", self.val_split), ("test", self.test_split))
+            if split is not None and (dataset := self._dataset(split)) is not None
+        }
+        fractions = {"validation": self.val_fraction, "test": self.test_fraction}
+        rows, tails = held_out_rows(len(train), fractions, "rows")
+        held.update({role: samples(train, split, self.split + HELD_OUT_NAMES[role]) for role, split in tails.items()})
+        return samples(train, rows, self.split), held

@@ -28,7 +28,8 @@ class VideoDataModule(PlanDataModule):
         data_root, tokenizer, dataset_type, manifest, val_manifest, val_fraction, layout_options,
             frame_sampling, frame_options, max_frames, frame_accuracy, image_size, resize_mode, mean, std,
             num_video_tokens, image_token, add_bos, prompt, on_broken_clip, storage_options, file_cache_dir,
-            file_cache_bytes: see ``VideoSource``; ``storage_options`` are kept out of checkpoints.
+            file_cache_bytes, test_manifest, test_fraction: see ``VideoSource``; ``storage_options`` are
+            kept out of checkpoints.
         max_text_len: tokens per sample, placeholders included.
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
@@ -73,6 +74,8 @@ class VideoDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        test_manifest: str | list[str] | None = None,
+        test_fraction: float = 0.0,
     ) -> None:
         super().__init__(
             batch_size,
@@ -107,13 +110,17 @@ class VideoDataModule(PlanDataModule):
             storage_options=storage_options,
             file_cache_dir=file_cache_dir,
             file_cache_bytes=file_cache_bytes,
+            test_manifest=test_manifest,
+            test_fraction=test_fraction,
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[VideoSource]:
         return [self.source]
 
-    def build_sources(self) -> list[tuple[str, VideoSamples, VideoSamples | None]]:
+    test_options = "give it test_manifest or test_fraction"
+
+    def build_sources(self) -> list[tuple[str, VideoSamples, dict[str, VideoSamples]]]:
         return [("train", *self.source.build(self.max_text_len, False, self.on_rank_zero))]
 
     @property

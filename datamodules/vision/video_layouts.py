@@ -225,7 +225,9 @@ class HFLayout(VideoLayout):
         # The training manifest names the dataset; a validation manifest names a split of it.
         path, split = (manifest, self.split) if train_manifest is None else (train_manifest, manifest)
         if train_manifest is not None and split == self.split:
-            raise ValueError(f"val_manifest {split!r} is the training split: it would validate on the training rows")
+            raise ValueError(
+                f"held-out manifest {split!r} is the training split: it would evaluate on the training rows"
+            )
         dataset = self.load_manifest(str(path), str(split), self.config_name, self.data_files, **self.load_kwargs)
         return standard_columns(dataset, self.keys, f"{path}:{split}", self.name)
 

@@ -3,17 +3,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from datamodules.plan.arguments import require_int
+from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.plan.remote_files import RemoteFiles
 from datamodules.vision.frame_sampling import frame_sampler
-from datamodules.vision.image_text_samples import RowSplit
+from datamodules.vision.image_text_samples import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.video_decoding import FRAME_ACCURACIES
@@ -36,6 +35,7 @@ class VideoSource(SourceSpec):
             ``captions.jsonl``), or the HuggingFace dataset; relative to ``data_root`` unless absolute.
         val_manifest: a validation manifest of the same kind (for ``"hf"``: a split name); or
         val_fraction: hold out this fraction of the clips, chosen by a fixed keyed shuffle.
+        test_manifest, test_fraction: the same for the test split (``Trainer.test``).
         layout_options: the layout's own settings (e.g. ``{"id_prefix_len": 3}`` for WebVid,
             ``{"video_field": "path"}`` for ``"hf"``).
         frame_sampling: the policy (``FRAME_SAMPLERS``): ``"uniform"`` (``fps``, ``min_frames``)
@@ -80,22 +80,22 @@ class VideoSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     file_cache_dir: str | None = None
     file_cache_bytes: int | None = None
+    test_manifest: str | list[str] | None = None
+    test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         self.data_root = str(self.data_root)
         self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
+        require_existing("data_root", self.data_root)
+        require_existing("tokenizer", self.tokenizer, only_if_local=True)
         check_policy(self.frame_accuracy, FRAME_ACCURACIES, "frame_accuracy")
         require_int("image_size", self.image_size, 1)
         require_int("num_video_tokens", self.num_video_tokens, 0)
         if self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
-        if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val_manifest is not None and self.val_fraction > 0:
-            raise ValueError(
-                f"give val_manifest ({self.val_manifest!r}) or val_fraction ({self.val_fraction}), not both"
-            )
+        check_held_out(("val_manifest", self.val_manifest, "val_fraction", self.val_fraction))
+        check_held_out(("test_manifest", self.test_manifest, "test_fraction", self.test_fraction), self.val_fraction)
         self.layout = video_layout(self.dataset_type, self.data_root, dict(self.layout_options))
         self.layout.storage_options = self.storage_options
         self.manifest = self.manifest or self.layout.default_manifest
@@ -106,8 +106,9 @@ class VideoSource(SourceSpec):
     def prepare(self) -> None:
         # Reading the manifests once per node builds datasets' Arrow cache, which every rank maps.
         self.layout.load(self.manifest)
-        if self.val_manifest is not None:
-            self.layout.load(self.val_manifest, self.manifest)
+        for manifest in (self.val_manifest, self.test_manifest):
+            if manifest is not None:
+                self.layout.load(manifest, self.manifest)
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
@@ -145,16 +146,12 @@ class VideoSource(SourceSpec):
             )  # fmt: skip
 
         train = self.layout.load(self.manifest)
-        n = len(train)
-        if self.val_manifest is not None:
-            val = self.layout.load(self.val_manifest, self.manifest)
-            return samples(train, RowSplit(n), "train"), samples(val, RowSplit(len(val)), "validation")
-        if self.val_fraction == 0:
-            return samples(train, RowSplit(n), "train"), None
-        held_out = math.ceil(n * self.val_fraction)
-        if held_out >= n:
-            raise ValueError(f"val_fraction={self.val_fraction} of {n} clips leaves no training clips")
-        return (
-            samples(train, RowSplit(n, held_out, shuffled=True), "train"),
-            samples(train, RowSplit(n, 0, held_out, shuffled=True), "train[held out]"),
-        )
+        held = {
+            role: samples(dataset, RowSplit(len(dataset)), role)
+            for role, manifest in (("validation", self.val_manifest), ("test", self.test_manifest))
+            if manifest is not None and (dataset := self.layout.load(manifest, self.manifest)) is not None
+        }
+        fractions = {"validation": self.val_fraction, "test": self.test_fraction}
+        rows, tails = held_out_rows(len(train), fractions, "clips")
+        held.update({role: samples(train, split, "train" + HELD_OUT_NAMES[role]) for role, split in tails.items()})
+        return samples(train, rows, "train"), held

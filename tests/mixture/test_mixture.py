@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -334,3 +335,32 @@ def test_shares_that_do_not_divide_the_global_batch_are_met_over_the_run(shard_d
     assert counts.tolist() == expected_counts(weights, steps=50)
     assert ((counts >= [6, 2, 1]) & (counts <= [7, 3, 2])).all() and (counts.sum(axis=1) == BATCH).all()
     assert np.abs(counts.sum(axis=0) - [330, 110, 60]).max() <= 1
+
+
+def test_each_source_with_a_test_split_gets_a_test_loader_and_the_hyperparameters_are_plain(
+    shard_dirs: dict[str, Path],
+) -> None:
+    components = [
+        MixtureComponent("a", 0.5, TokenShardSource(str(shard_dirs["a"]), test_fraction=0.1, storage_options={"k": 1})),
+        MixtureComponent("b", 0.5, TokenShardSource(str(shard_dirs["b"]))),
+    ]
+    dm = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH)
+    dm.setup("test")
+    starts = [
+        int(r[0])
+        for b in dm.test_dataloader()
+        for r, lab in zip(b["input_ids"], b["labels"], strict=True)
+        if (lab != -100).any()
+    ]
+    assert len(starts) == (math.ceil((SIZES["a"] * SEQ_LEN + 1) * 0.1) - 1) // SEQ_LEN and {
+        s // ID for s in starts
+    } == {0}
+    source = dm.hparams["sources"]["a"]
+    assert (
+        source["weight"] == 0.5
+        and source["source"]["class_path"] == "datamodules.text.token_shard_source.TokenShardSource"
+    )
+    assert (
+        source["source"]["init_args"]["test_fraction"] == 0.1 and "storage_options" not in source["source"]["init_args"]
+    )
+    assert dm.hparams["seq_len"] == SEQ_LEN

@@ -242,3 +242,21 @@ def test_on_bad_row_skip_counts_and_skips_null_texts_as_the_error_suggests(tmp_p
     assert metadata["extra"]["bad_rows_skipped"] == 1 and metadata["num_documents"] == 3
     with pytest.raises(ValueError, match="on_bad_row must be one of \\('raise', 'skip'\\), got 'ignore'"):
         make_dm(tmp_path, tokenizer, on_bad_row="ignore")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["eager", "streaming"])
+def test_a_test_split_is_evaluated_once_by_trainer_test(tmp_path: Path, tokenizer: str, streaming: bool) -> None:
+    files = {
+        "train": str(jsonl(tmp_path / "train.jsonl", DOCS[:40])),
+        "validation": str(jsonl(tmp_path / "v.jsonl", DOCS[40:50])),
+        "test": str(jsonl(tmp_path / "t.jsonl", DOCS[50:])),
+    }
+    options = {"streaming": True, "shuffle_rows": 8} if streaming else {}
+    dm = make_dm(tmp_path, tokenizer, data_files=files, val_split="validation", test_split="test", **options)
+    model, trainer = RecordingModel(), quiet_trainer(max_steps=2)
+    trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm)
+    prepare([files["test"]], tmp_path / "reference", tokenizer, num_proc=1)
+    (_, test), reference = dm._held["test"][0], stream(tmp_path / "reference")
+    assert all_tokens(test.shards).tolist() == reference
+    assert len(model.test_rows) == len(set(model.test_rows)) == (len(reference) - 1) // SEQ_LEN

@@ -402,3 +402,11 @@ def test_empty_documents_are_counted_and_skipped_unless_kept(
     kept = prepare(inputs, tmp_path / "kept", tokenizer, num_proc=1, keep_empty_documents=True)
     assert kept.num_documents == 5 and kept.extra["empty_documents_skipped"] == 0
     assert decoded_documents(tmp_path / "kept", tokenizer) == [DOCS[0], "", DOCS[1], "", ""]
+
+
+def test_the_installed_command_shows_its_own_name(tmp_path: Path) -> None:
+    command = Path(sys.executable).parent / "lm-datamodules-prepare"
+    if not command.exists():
+        pytest.skip("the package is not installed with its console scripts")
+    shown = subprocess.run([str(command), "--help"], capture_output=True, text=True, check=True).stdout
+    assert shown.startswith("usage: lm-datamodules-prepare ")

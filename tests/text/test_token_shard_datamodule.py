@@ -108,6 +108,8 @@ def test_bin_shards_take_their_dtype_from_metadata(tmp_path: Path) -> None:
         ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
         ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), got 1.0"),
         ({"val_fraction": 0.1, "val_dir": "v"}, "give val_dir"),
+        ({"test_fraction": 0.1, "test_dir": "t"}, "give test_dir"),
+        ({"test_fraction": 0.5, "val_fraction": 0.5}, "test_fraction=0.5 and val_fraction=0.5 leave no training data"),
         ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
         ({"seq_len": 64.0}, "seq_len must be a positive integer, got 64.0"),
         ({"batch_size": 4.0}, "batch_size must be a positive integer, got 4.0"),
@@ -120,9 +122,54 @@ def test_bad_arguments_fail_at_construction(tmp_path: Path, kwargs: dict, messag
         TokenShardDataModule(tmp_path, **{"seq_len": 8, "batch_size": 4, **kwargs})
 
 
-def test_missing_directory_fails_at_setup(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nowhere.*does not exist"):
-        setup_dm(tmp_path / "nowhere")
+def test_missing_directory_fails_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^data_dir '.*nowhere' does not exist$"):
+        TokenShardDataModule(tmp_path / "nowhere", seq_len=8, batch_size=4)
+    with pytest.raises(ValueError, match=r"quickstart's data: run `python -m examples.quickstart` first"):
+        TokenShardDataModule(".cache/quickstart/no_such_shards", seq_len=8, batch_size=4)
+
+
+def first_tokens(loader: object) -> list[int]:
+    """The first token of every row that takes a loss (padding rows take none)."""
+    return [
+        int(row[0]) for b in loader for row, lab in zip(b["input_ids"], b["labels"], strict=True) if (lab != -100).any()
+    ]
+
+
+def test_a_test_split_is_the_tail_after_validation_and_trainer_test_reads_each_window_once(tmp_path: Path) -> None:
+    from tests.support import RecordingModel, quiet_trainer
+
+    dm = TokenShardDataModule(
+        make_token_shards(tmp_path, 801), seq_len=8, batch_size=4, val_fraction=0.2, test_fraction=0.1
+    )
+    model, trainer = RecordingModel(), quiet_trainer(max_steps=2)
+    trainer.fit(model, datamodule=dm)
+    # 801 tokens: 559 train, 161 validation (ceil of 20%), 81 test (ceil of 10%), in that order.
+    assert first_tokens(dm.test_dataloader()) == list(range(720, 800, 8))
+    assert first_tokens(dm.val_dataloader()) == list(range(559, 559 + 20 * 8, 8))
+    assert max(first_tokens(dm.train_dataloader())) + 8 < 559
+    trainer.test(model, datamodule=dm)
+    assert len(model.test_rows) == len(set(model.test_rows)) == 10
+    predicted = [d for batch in trainer.predict(model, datamodule=dm) for d in batch]
+    assert sorted(predicted) == sorted(model.test_rows)
+
+
+def test_trainer_test_without_a_test_split_says_how_to_give_one(tmp_path: Path) -> None:
+    from tests.support import RecordingModel, quiet_trainer
+
+    dm = TokenShardDataModule(make_token_shards(tmp_path, 801), seq_len=8, batch_size=4)
+    with pytest.raises(ValueError, match="TokenShardDataModule has no test split: give it test_dir or test_fraction"):
+        quiet_trainer().test(RecordingModel(), datamodule=dm)
+
+
+def test_a_fraction_too_small_for_a_window_names_the_split_and_both_counts(tmp_path: Path) -> None:
+    dm = TokenShardDataModule(make_token_shards(tmp_path, 2000), seq_len=64, batch_size=4, val_fraction=0.01)
+    message = (
+        r"seq_len=64 needs at least 65 tokens, but .* has 20 tokens in the validation split "
+        r"\(val_fraction=0.01 of 2000 tokens: 1980 train, 20 validation\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        dm.setup("fit")
 
 
 def test_empty_directory_fails_at_setup(tmp_path: Path) -> None:
@@ -234,16 +281,31 @@ def test_pin_memory_is_off_without_a_gpu_and_prefetch_factor_reaches_the_loader(
     assert not next(iter(loader))["input_ids"].is_pinned()
 
 
-def test_fit_logs_what_the_data_is_on_rank_zero(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from tests.support import RecordingModel, quiet_trainer
+def test_fit_shows_a_data_summary_in_a_plain_script_with_no_logging_set_up(tmp_path: Path) -> None:
+    import subprocess
+    import sys
 
-    dm = TokenShardDataModule(make_token_shards(tmp_path, 8 * 40 + 1), seq_len=8, batch_size=4)
-    with caplog.at_level("INFO", logger="datamodules"):
-        quiet_trainer(max_steps=25).fit(RecordingModel(), datamodule=dm)
-    assert (
-        "TokenShardDataModule source 'train': 40 samples (320 tokens), 10 steps per epoch of 4 samples, "
-        "max_steps=25 reads it 2.50 times" in caplog.text
-    )
+    make_token_shards(tmp_path / "shards", 8 * 40 + 1)
+    script = f"""
+from lightning.pytorch import Trainer
+from datamodules import TokenShardDataModule
+from tests.support import RecordingModel
+dm = TokenShardDataModule({str(tmp_path / "shards")!r}, seq_len=8, batch_size=4)
+Trainer(max_steps=25, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(RecordingModel(), dm)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = done.stdout + done.stderr
+    assert "TokenShardDataModule: 10 steps per epoch of 4 samples (batch_size 4 x 1 data-parallel ranks" in shown
+    table = shown[shown.index("Source |") :].splitlines()
+    assert [cell.strip() for cell in table[0].split("|")] == [
+        "Source",
+        "Samples",
+        "Tokens",
+        "Weight",
+        "Passes in max_steps=25",
+    ]
+    assert [cell.strip() for cell in table[2].split("|")] == ["0", "train", "40", "320", "1", "2.50"]
 
 
 def write_megatron_pair(prefix: Path, documents: list[list[list[int]]]) -> None:

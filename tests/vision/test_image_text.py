@@ -477,3 +477,37 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^cannot load tokenizer '.*nowhere'") as err:
         ready(make_dm(image_folder(tmp_path / "images", 4), str(tmp_path / "nowhere")))
     assert "\n" not in str(err.value)
+
+
+def real_input_rows(loader: object) -> list[tuple[int, ...]]:
+    return [
+        r
+        for b in loader
+        for r, real in zip(map(tuple, b["input_ids"].tolist()), (b["labels"] != -100).any(1), strict=True)
+        if real
+    ]
+
+
+def test_a_test_fraction_is_disjoint_from_validation_and_training_and_trainer_test_reads_it_once(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    folder = image_folder(tmp_path / "images", 40)
+    dm = ready(make_dm(folder, tokenizer, val_fraction=0.25, test_fraction=0.1))
+    val, test = real_input_rows(dm.val_dataloader()), real_input_rows(dm.test_dataloader())
+    train = set(map(tuple, (r for b in dm.train_dataloader() for r in b["input_ids"].tolist())))
+    assert len(val) == len(set(val)) == 10 and len(test) == len(set(test)) == 4
+    assert not (set(val) & set(test)) and not (train & (set(val) | set(test)))
+    # Adding a test split leaves the validation rows where they were.
+    assert real_input_rows(ready(make_dm(folder, tokenizer, val_fraction=0.25)).val_dataloader()) == val
+    model = RecordingModel()
+    quiet_trainer().test(model, datamodule=make_dm(folder, tokenizer, val_fraction=0.25, test_fraction=0.1))
+    assert len(model.test_rows) == len(set(model.test_rows)) == 4
+
+
+@pytest.mark.parametrize(
+    "option", [{"resize_mode": "square"}, {"resize_mode": "crop"}, {"add_bos": True}, {"mean": (0.5, 0.5, 0.5)}]
+)
+def test_options_a_processor_decides_are_refused_with_it(tmp_path: Path, tokenizer: str, option: dict) -> None:
+    path = llava_processor(tmp_path, tokenizer)
+    with pytest.raises(ValueError, match=rf"\['{next(iter(option))}'\] cannot be combined with processor"):
+        make_dm(tmp_path, None, processor=str(path), num_image_tokens=None, image_size=None, **option)

@@ -295,3 +295,29 @@ def test_a_missing_manifest_or_column_is_one_clear_error_at_setup(tmp_path: Path
         ready(make_dm(root, tokenizer, manifest="nothing.jsonl"))
     with pytest.raises(ValueError, match="has no column 'clip'; columns are \\['video', 'text'\\]"):
         ready(make_dm(root, tokenizer, layout_options={"video_key": "clip"}))
+
+
+def test_a_test_manifest_and_a_test_fraction_are_evaluated_once_by_trainer_test(tmp_path: Path, tokenizer: str) -> None:
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    root = video_folder(tmp_path / "videos", 20)
+    rows = (root / "captions.jsonl").read_text().splitlines()
+    (root / "train.jsonl").write_text("\n".join(rows[:14]) + "\n")
+    (root / "test.jsonl").write_text("\n".join(rows[14:]) + "\n")
+
+    def clips(loader: object) -> list[int]:
+        return [
+            clip_of(r[TOKENS:], tok)
+            for b in loader
+            for r, ok in zip(b["input_ids"].tolist(), (b["labels"] != -100).any(1), strict=True)
+            if ok
+        ]
+
+    dm = ready(make_dm(root, tokenizer, manifest="train.jsonl", test_manifest="test.jsonl"))
+    assert sorted(clips(dm.test_dataloader())) == list(range(14, 20))
+    held = ready(make_dm(root, tokenizer, val_fraction=0.2, test_fraction=0.1))
+    val, test = clips(held.val_dataloader()), clips(held.test_dataloader())
+    train = {clip_of(r[TOKENS:], tok) for b in held.train_dataloader() for r in b["input_ids"].tolist()}
+    assert len(val) == 4 and len(test) == 2 and not (set(val) & set(test)) and not train & (set(val) | set(test))
+    model = RecordingModel()
+    quiet_trainer().test(model, datamodule=make_dm(root, tokenizer, val_fraction=0.2, test_fraction=0.1))
+    assert len(model.test_rows) == 2

@@ -1,5 +1,5 @@
 """torchcodec's decoding speed on the video benchmark's clips, measured in a process of its own:
-``python -m benchmarks.video_torchcodec --seek-mode exact --timed 6 --image-size 224 CLIP...`` prints
+``python -m benchmarks.peer_decoders.torchcodec_speed --seek-mode exact --timed 6 CLIP...`` prints
 ``RESULT {"clips/s": ...}`` (or the reason it cannot run).
 
 torchcodec loads FFmpeg's shared libraries from the system. Where there are none (as on the machines
