@@ -10,6 +10,9 @@
    tensor copied into a preallocated buffer (``load_file`` maps the file; the copy reads its bytes, as
    packing them into a row must).
 
+4. Worker start: seconds to the first 5 batches with 2 workers started by ``fork`` and by ``spawn``
+   (what ``worker_start_method=None`` chooses between).
+
 Alternating contenders, medians over rounds: ``python -m benchmarks.hidden_states``.
 """
 
@@ -112,6 +115,20 @@ def bare_loop(paths: list[Path], seconds: float) -> float:
     return files / elapsed
 
 
+def first_batches(data: Path, method: str, count: int) -> float:
+    """Seconds from ``iter(train_dataloader())`` to its ``count``-th batch, workers started by ``method``."""
+    dm = HiddenStatesDataModule(str(data), total_seq_len=2048, num_workers=2, worker_start_method=method)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    started = time.perf_counter()
+    batches = iter(loader)
+    for _ in range(count):
+        next(batches)
+    elapsed = time.perf_counter() - started
+    del batches
+    return elapsed
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
@@ -178,6 +195,18 @@ def main(argv: list[str] | None = None) -> None:
                 {"reader": k, "conversations/s": r, "GB/s": r * per_file, "of the floor": r / floor}
                 for k, r in reads.items()
             ],
+        )
+        starts = medians(
+            {method: method for method in ("fork", "spawn")},
+            rounds,
+            lambda method: first_batches(cached, method, 5),
+        )
+        tables["Worker start: seconds from iter() to the 5th batch, 2 workers (cached states)"] = (
+            ["worker_start_method", "seconds", "vs fork"],
+            [{"worker_start_method": m, "seconds": t, "vs fork": t / starts["fork"]} for m, t in starts.items()],
+        )
+        checks[f"fork starts workers faster than spawn ({starts['spawn'] / starts['fork']:.1f}x)"] = (
+            starts["fork"] < starts["spawn"]
         )
     config = {"rounds": rounds, "seconds": seconds, "quick": quick, "torch_threads": 1}
     report("hidden_states", tables, config, checks, results_directory(args.results_dir, quick))

@@ -137,9 +137,6 @@ class RecordingModel(LightningModule):
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         self.test_rows += sample_digests(batch, real_rows(batch))
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> list[str]:
-        return sample_digests(batch, real_rows(batch))
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01)
 

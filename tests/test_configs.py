@@ -85,10 +85,25 @@ def test_the_cli_shows_what_the_data_is_at_the_start_of_fit(tmp_path: Path) -> N
         args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (
-        "INFO datamodules.plan.datamodule: TokenShardDataModule source 'train': 247 samples (3,952 tokens)"
-        in done.stderr
+    shown = done.stdout + done.stderr
+    assert "TokenShardDataModule: 15 steps per epoch of 16 samples" in shown
+    assert [c.strip() for c in shown[shown.index("Source |") :].splitlines()[2].split("|")][:4] == [
+        "0",
+        "train",
+        "247",
+        "3,952",
+    ]
+
+
+def test_a_config_run_without_the_quickstart_data_says_so_in_one_line(tmp_path: Path) -> None:
+    config = Path(__file__).parent.parent / "configs" / "token_shards.yaml"
+    args = [sys.executable, "-m", "datamodules.cli", "fit", f"--config={config}"]
+    done = subprocess.run(
+        args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
     )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert "run `python -m examples.quickstart` first" in line
 
 
 def test_the_quickstart_passes_extra_arguments_to_lightning_cli() -> None:

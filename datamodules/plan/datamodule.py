@@ -28,6 +28,7 @@ from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, des
 from datamodules.plan.sampler import PlanSampler
 from datamodules.plan.stream import Stream, StreamTraining, gathered
 from datamodules.plan.trained_spans import TrainedSpans
+from datamodules.plan.worker_start import start_method
 
 log = logging.getLogger(__name__)
 
@@ -347,16 +348,25 @@ class PlanDataModule(LightningDataModule):
             pin = False
         return {"pin_memory": pin, "prefetch_factor": self.prefetch_factor}
 
-    # How worker processes start (``"fork"``, ``"spawn"``, ``"forkserver"``); ``None``: the platform's default.
+    # How worker processes start (``"fork"``, ``"spawn"``, ``"forkserver"``); ``None``: spawn where
+    # ``spawn_reasons`` gives one, else the platform's default (fork on Linux).
     worker_start_method: str | None = None
+
+    def spawn_reasons(self) -> list[str]:
+        """Why forking workers from this process would be unsafe (none by default: the sources re-open
+        their files and clients in each worker)."""
+        return []
 
     def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
         options = self._loader_options()
+        method = None
+        if self.num_workers > 0:
+            method = start_method(self.worker_start_method, self.spawn_reasons(), type(self).__name__)
         return PlanDataLoader(
             dataset,
             sampler,
             self.num_workers,
-            multiprocessing_context=self.worker_start_method,
+            multiprocessing_context=method,
             in_order=self.in_order,
             **options,
         )
@@ -427,10 +437,6 @@ class PlanDataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader | list[DataLoader]:
         """The test split(s), evaluated as validation is: every sample once across ranks."""
-        return self._held_loaders("test", self.test_options)
-
-    def predict_dataloader(self) -> DataLoader | list[DataLoader]:
-        """The test split(s) again, for ``Trainer.predict``: every sample once across ranks."""
         return self._held_loaders("test", self.test_options)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -5,9 +5,12 @@ user can cause (a path, a split, a hub name offline) told in one line instead of
 from __future__ import annotations
 
 import copy
+import glob
+import os
 from pathlib import Path
 from typing import Any
 
+from datamodules.plan.arguments import QUICKSTART_HINT
 from datamodules.plan.storage import describe_error, is_url, storage_path
 
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
@@ -34,6 +37,20 @@ def _is_builder(path: str) -> bool:
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
     return path in _PACKAGED_DATASETS_MODULES
+
+
+def check_data_files(path: str, data_files: str | list[str] | dict[str, Any] | None) -> None:
+    """For a builder (``"json"``, ``"parquet"``, ``"imagefolder"``, ...), every local ``data_files`` pattern
+    must match a file: else an error naming the pattern, at construction (``load_dataset`` would say,
+    at setup, only that the files are invalid). Patterns of a hub dataset are the hub's, not checked."""
+    if data_files is None or not _is_builder(path):
+        return
+    values = data_files.values() if isinstance(data_files, dict) else [data_files]
+    for value in values:
+        for pattern in [value] if isinstance(value, str) else list(value or []):
+            if not is_url(pattern) and not glob.glob(os.path.expanduser(str(pattern)), recursive=True):
+                hint = QUICKSTART_HINT if ".cache/quickstart" in str(pattern) else ""
+                raise ValueError(f"data_files pattern {str(pattern)!r} matches no file{hint}")
 
 
 def load_split(
@@ -90,6 +107,8 @@ def load_split(
         where = "could not be loaded with datasets.load_dataset"
         if not (Path(path).exists() or _is_builder(path)):
             where = "is not a local path, and loading it from the HuggingFace Hub failed"
+            if datasets.config.HF_HUB_OFFLINE:
+                where = "is not a local path, and the HuggingFace Hub is offline here (HF_HUB_OFFLINE): no request made"
         raise error(f"{path!r} {where} ({type(err).__name__}: {one_line(err)})") from None
 
 

@@ -17,6 +17,7 @@ from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.remote_files import RemoteFiles
 from datamodules.plan.sample_plan import SamplePlan
+from datamodules.plan.worker_start import START_METHODS
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer
 from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows, column_lengths
 from datamodules.speculative.hidden_states_store import STORES
@@ -25,7 +26,6 @@ from datamodules.speculative.state_fetcher import ON_GENERATE, StateFetcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 COLUMNS = ("input_ids", "loss_mask", "seq_len")
-START_METHODS = ("spawn", "fork", "forkserver")
 
 
 def require_ratio(train_ratio: float) -> float:
@@ -84,8 +84,10 @@ class HiddenStatesDataModule(PlanDataModule):
             ...), the fsspec filesystem's options (endpoint, credentials, ``anon``); kept out of checkpoints.
         file_cache_dir, file_cache_bytes: a node-local folder keeping hidden-state files read by URL,
             and the most bytes it holds (least recently used evicted first); default: no cache.
-        worker_start_method: how DataLoader workers start: ``"spawn"`` (default: safe once CUDA is
-            initialised), ``"fork"`` or ``"forkserver"``.
+        worker_start_method: how DataLoader workers start: ``"spawn"``, ``"fork"`` or ``"forkserver"``;
+            default ``None``: spawn when this process has initialised CUDA or holds a client of the
+            generation server (threads and connections a fork could deadlock on), else fork, which
+            starts in a fraction of a second where spawn takes many.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order: see
             ``PlanDataModule`` (``in_order=False`` keeps one slow fetch from stalling the rank).
 
@@ -115,7 +117,7 @@ class HiddenStatesDataModule(PlanDataModule):
         storage_options: dict[str, Any] | None = None,
         file_cache_dir: str | None = None,
         file_cache_bytes: int | None = None,
-        worker_start_method: str = "spawn",
+        worker_start_method: str | None = None,
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -159,12 +161,18 @@ class HiddenStatesDataModule(PlanDataModule):
         self.noise_std = float(noise_std)
         self.over_long, self.length_quantum, self.preprocess = over_long, length_quantum, preprocess
         self.store = check_policy(store, tuple(STORES), "store")
-        self.worker_start_method = check_policy(worker_start_method, START_METHODS, "worker_start_method")
+        if worker_start_method is not None:
+            check_policy(worker_start_method, START_METHODS, "worker_start_method")
+        self.worker_start_method = worker_start_method
         self.save_hyperparameters(ignore=["preprocess", "server", "storage_options"])  # no credentials
         # Plain values, so ``torch.load(weights_only=True)`` reads the checkpoint.
         self.hparams["server"] = asdict(server) if server is not None else None
 
     test_options = "its rows split into training and validation only (train_ratio), as speculators' do"
+
+    def spawn_reasons(self) -> list[str]:
+        reasons = ["CUDA is initialised in this process"] if torch.cuda.is_initialized() else []
+        return reasons + (["this process holds a client of the generation server"] if self.server else [])
 
     def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
         dataset = self._load()

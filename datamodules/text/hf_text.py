@@ -20,7 +20,7 @@ import numpy as np
 
 from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.plan.hf_loading import is_saved_dataset
+from datamodules.plan.hf_loading import check_data_files, is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.text.document_units import document_units
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
@@ -90,6 +90,7 @@ class HFTextSource(SourceSpec):
                 raise ValueError(f"{option} {split!r} is the training split: it would {role} on the training rows")
         if self.num_proc is not None:
             require_int("num_proc", self.num_proc, 1)
+        check_data_files(self.path, self.data_files)
         require_existing("path", self.path, only_if_local=True)
         require_existing("tokenizer", self.tokenizer, only_if_local=True)
         if self.on_bad_row not in BAD_ROW_POLICIES:

@@ -11,7 +11,7 @@ import torch
 
 from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
-from datamodules.plan.hf_loading import is_saved_dataset, load_pretrained, load_split
+from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.plan.remote_files import RemoteFiles
 from datamodules.vision.image_text_samples import (
@@ -109,6 +109,7 @@ class ImageTextSource(SourceSpec):
         self.path = str(self.path)
         self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_bad_sample)
+        check_data_files(self.path, self.data_files)
         for option in ("path", "tokenizer", "processor"):
             require_existing(option, getattr(self, option), only_if_local=True)
         if self.image_size is not None:

@@ -341,7 +341,7 @@ def test_each_source_with_a_test_split_gets_a_test_loader_and_the_hyperparameter
     shard_dirs: dict[str, Path],
 ) -> None:
     components = [
-        MixtureComponent("a", 0.5, TokenShardSource(str(shard_dirs["a"]), test_fraction=0.1, storage_options={"k": 1})),
+        MixtureComponent("a", 0.5, TokenShardSource(str(shard_dirs["a"]), test_fraction=0.1)),
         MixtureComponent("b", 0.5, TokenShardSource(str(shard_dirs["b"]))),
     ]
     dm = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -335,3 +336,31 @@ def test_resumed_run_trains_identical_batches(
     after = fit(data_dir, TOTAL_STEPS, workers, resume=checkpoint)
     trained = [r["digest"] for r in before if r["step"] < stop] + [r["digest"] for r in after]
     assert trained == [r["digest"] for r in uninterrupted]  # workers 2 (spawned) trains what workers 0 does
+
+
+def test_workers_fork_unless_the_process_holds_what_a_fork_would_break(data_dir: Path) -> None:
+    """Fork where it is safe (a second or less to start), spawn with CUDA or a server client in the process."""
+    loader = datamodule(data_dir, num_workers=2).train_dataloader()
+    assert loader.multiprocessing_context is None or loader.multiprocessing_context.get_start_method() == "fork"
+    assert datamodule(data_dir).spawn_reasons() == []
+    spawned = datamodule(data_dir, num_workers=2, worker_start_method="spawn").train_dataloader()
+    assert spawned.multiprocessing_context.get_start_method() == "spawn"
+
+
+def test_spawning_workers_from_an_unguarded_script_is_refused_in_one_line(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    script = tmp_path / "train.py"
+    script.write_text("from lightning.pytorch import Trainer\nTrainer().fit(model, datamodule=dm)\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    dm = datamodule(data_dir, num_workers=2, worker_start_method="spawn")
+    with pytest.raises(RuntimeError) as refused:
+        dm.train_dataloader()
+    assert len(str(refused.value).splitlines()) == 1
+    assert "each would run" in str(refused.value) and 'under `if __name__ == "__main__":`' in str(refused.value)
+    script.write_text(script.read_text().replace("Trainer().fit", 'if __name__ == "__main__":\n    Trainer().fit'))
+    assert dm.train_dataloader().multiprocessing_context.get_start_method() == "spawn"

@@ -192,7 +192,7 @@ def test_a_hub_name_that_cannot_be_reached_is_one_short_error(
     dm = HFTextDataModule("someorg/no-such-dataset", tokenizer, SEQ_LEN, BATCH, cache_dir=str(tmp_path), num_proc=1)
     with pytest.raises(PrepareError) as refused:
         dm.prepare_data()
-    assert "'someorg/no-such-dataset' is not a local path, and loading it from the HuggingFace Hub failed" in str(
+    assert "'someorg/no-such-dataset' is not a local path, and the HuggingFace Hub is offline here" in str(
         refused.value
     )
     assert len(str(refused.value).splitlines()) == 1
@@ -259,4 +259,4 @@ def test_a_test_split_is_evaluated_once_by_trainer_test(tmp_path: Path, tokenize
     prepare([files["test"]], tmp_path / "reference", tokenizer, num_proc=1)
     (_, test), reference = dm._held["test"][0], stream(tmp_path / "reference")
     assert all_tokens(test.shards).tolist() == reference
-    assert len(model.test_rows) == len(set(model.test_rows)) == (len(reference) - 1) // SEQ_LEN
+    assert len(model.test_rows) == (len(reference) - 1) // SEQ_LEN  # every window once (some texts repeat)

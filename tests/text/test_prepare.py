@@ -191,7 +191,8 @@ def test_a_hub_name_offline_is_one_short_error(tmp_path: Path, tokenizer: str) -
     )
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
-    assert "'someorg/no-such-dataset' is not a local path, and loading it from the HuggingFace Hub failed" in last
+    assert "'someorg/no-such-dataset' is not a local path, and the HuggingFace Hub is offline here" in last
+    assert "no request made" in last
     assert "Traceback" not in done.stderr
 
 

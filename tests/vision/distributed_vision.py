@@ -28,7 +28,8 @@ def train_vision(
 def source_digests(source: Any, seq_len: int) -> tuple[Counter, Counter]:
     """Digests of every training and validation sample's tokens, as one process builds them."""
     out = [Counter(), Counter()]
-    for i, samples in enumerate(source.build(seq_len, False)):
+    train, held = source.build(seq_len, False)
+    for i, samples in enumerate((train, held.get("validation"))):
         if samples is not None:
             keys = np.zeros(len(samples), dtype=np.uint64)
             ids = torch.from_numpy(samples.fetch(np.arange(len(samples)), keys)["input_ids"].astype(np.int64))

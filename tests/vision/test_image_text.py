@@ -378,6 +378,8 @@ def test_resume_is_exact_and_skipped_samples_are_replaced_alike_in_every_run(
     # Every batch is whole: each bad sample was replaced, never dropped.
     assert all(len(rows) == 4 for _, rows in uninterrupted)
     assert bad.replacements >= 3 * 2  # each bad row once per epoch, in two epochs and a bit (a stand-in may be bad too)
+    shown = repr(bad)
+    assert shown.startswith(f"BadSampleLog(3 bad samples met {bad.replacements} times: 3 in imagefolder:train; e.g. ")
 
 
 def test_a_held_out_fraction_is_disjoint_from_training_and_evaluated_once(tmp_path: Path, tokenizer: str) -> None:
@@ -474,8 +476,12 @@ def test_a_prompt_too_long_for_max_text_len_is_a_bad_sample(tmp_path: Path, toke
 
 
 def test_a_tokenizer_that_cannot_be_loaded_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"^cannot load tokenizer '.*nowhere'") as err:
-        ready(make_dm(image_folder(tmp_path / "images", 4), str(tmp_path / "nowhere")))
+    folder = image_folder(tmp_path / "images", 4)
+    with pytest.raises(ValueError, match=r"^tokenizer '.*nowhere' does not exist$"):
+        make_dm(folder, str(tmp_path / "nowhere"))  # at construction
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^cannot load tokenizer '.*empty'") as err:
+        ready(make_dm(folder, str(tmp_path / "empty")))
     assert "\n" not in str(err.value)
 
 
