@@ -260,3 +260,10 @@ def test_a_test_split_is_evaluated_once_by_trainer_test(tmp_path: Path, tokenize
     (_, test), reference = dm._held["test"][0], stream(tmp_path / "reference")
     assert all_tokens(test.shards).tolist() == reference
     assert len(model.test_rows) == (len(reference) - 1) // SEQ_LEN  # every window once (some texts repeat)
+
+
+def test_a_data_files_pattern_that_matches_nothing_is_named_at_construction(tmp_path: Path, tokenizer: str) -> None:
+    with pytest.raises(ValueError, match=r"^data_files pattern '.*nowhere/\*\.jsonl' matches no file$"):
+        HFTextDataModule("json", tokenizer, SEQ_LEN, BATCH, data_files=str(tmp_path / "nowhere" / "*.jsonl"))
+    with pytest.raises(ValueError, match=r"^tokenizer '\./no_tokenizer' does not exist$"):
+        HFTextDataModule("json", "./no_tokenizer", SEQ_LEN, BATCH, data_files=str(jsonl(tmp_path / "d.jsonl", DOCS)))
