@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -190,18 +191,17 @@ class HiddenStateRows:
         self, span: list[list[int]], keys: np.ndarray, tokens: dict, outcomes: dict[int, Outcome]
     ) -> dict[str, Any]:
         rows, length = len(span), self.total_seq_len
+        # In a worker, made in shared memory: the message to the main process then passes it, not a copy.
+        shared = torch.utils.data.get_worker_info() is not None
         batch = {
-            "input_ids": torch.zeros(rows, length, dtype=torch.int64),
-            "loss_mask": torch.zeros(rows, length, dtype=torch.int64),
-            "position_ids": torch.zeros(rows, length, dtype=torch.int64),
-            "document_ids": torch.full((rows, length), -1, dtype=torch.int64),
-            # Left unset: each row's padding is zeroed once its conversations are in (most is filled).
-            "hidden_states": torch.empty(rows, length, self.layers - 1, self.hidden_size, dtype=self.dtype),
-            "verifier_last_hidden_states": torch.empty(rows, length, self.hidden_size, dtype=self.dtype),
+            "input_ids": new_tensor((rows, length), torch.int64, shared, 0),
+            "loss_mask": new_tensor((rows, length), torch.int64, shared, 0),
+            "position_ids": new_tensor((rows, length), torch.int64, shared, 0),
+            "document_ids": new_tensor((rows, length), torch.int64, shared, -1),
         }
-        if torch.utils.data.get_worker_info() is not None:
-            # Filled in shared memory: the message to the main process then passes it, not a copy of it.
-            batch = {key: value.share_memory_() for key, value in batch.items()}
+        # Every layer of a conversation in one contiguous copy, in the layout the files have; the
+        # auxiliary layers and the last are views of it. Padding is zeroed once a row is filled.
+        states = new_tensor((rows, length, self.layers, self.hidden_size), self.dtype, shared)
         skipped: list[tuple[str, str]] = []
         generated: list[bool] = []  # in generation mode: whether each conversation's states came, in order
         for b, (conversations, key) in enumerate(zip(span, keys.tolist(), strict=True)):
@@ -212,22 +212,21 @@ class HiddenStateRows:
                 generated.append(not outcome.generation_failed)
                 if not self._usable(row, outcome, skipped):
                     continue
-                ids, states = tokens[row], outcome.states
+                ids = tokens[row]
                 n = min(len(ids["input_ids"]), length)
                 at = slice(filled, filled + n)
-                hidden = states["hidden_states"][:n]
                 batch["input_ids"][b, at] = torch.tensor(ids["input_ids"][:n])  # copies: Arrow's buffers are read-only
                 batch["loss_mask"][b, at] = torch.tensor(ids["loss_mask"][:n])
                 batch["position_ids"][b, at] = torch.arange(n)
                 batch["document_ids"][b, at] = document
-                batch["hidden_states"][b, at] = hidden[:, :-1]  # one copy, cast to dtype on the way
-                batch["verifier_last_hidden_states"][b, at] = hidden[:, -1]
+                states[b, at] = outcome.states["hidden_states"][:n]  # one copy, cast to dtype on the way
                 filled, document = filled + n, document + 1
-            batch["hidden_states"][b, filled:] = 0
-            batch["verifier_last_hidden_states"][b, filled:] = 0
+            states[b, filled:] = 0
             if self.noise_std > 0 and filled:
-                self._add_noise(batch["hidden_states"][b, :filled], key)
-        batch["hidden_states"] = batch["hidden_states"].flatten(2)  # layers 1..L-1 side by side: a view
+                self._add_noise(states[b, :filled, :-1], key)
+        # Layers 1..L-1 side by side and the last layer: views of the one buffer (rows of stride L x H).
+        batch["hidden_states"] = states[:, :, :-1].flatten(2)
+        batch["verifier_last_hidden_states"] = states[:, :, -1]
         return {**batch, "skipped": skipped, "generated": generated}
 
     def _add_noise(self, hidden: torch.Tensor, key: int) -> None:
@@ -248,3 +247,13 @@ class HiddenStateRows:
     def mask_rows(self, batch: Batch, invalid: torch.Tensor) -> None:
         """Padding rows (the tail of a validation split) take no loss."""
         batch["loss_mask"][invalid] = 0
+
+
+def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool, fill: int | None = None) -> torch.Tensor:
+    """A tensor of ``shape``, made in shared memory if ``shared`` (no copy into it later), filled with
+    ``fill`` unless ``None`` (left unset, to be written whole)."""
+    if not shared:
+        return torch.empty(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return tensor if fill is None else tensor.fill_(fill)
