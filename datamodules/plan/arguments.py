@@ -54,3 +54,13 @@ def check_held_out(option: tuple[str, object, str, float], other_fraction: float
         raise ValueError(f"give {own} ({value!r}) or {fraction_name} ({fraction}), not both")
     if fraction + other_fraction >= 1.0:
         raise ValueError(f"{fraction_name}={fraction} and val_fraction={other_fraction} leave no training data")
+
+
+def check_split_options(split: str, val_split: str | None, val_fraction: float, test_split: str | None,
+                        test_fraction: float) -> None:  # fmt: skip
+    """A dataset's held-out splits: each named or a fraction (``check_held_out``), never the training split."""
+    check_held_out(("val_split", val_split, "val_fraction", val_fraction))
+    check_held_out(("test_split", test_split, "test_fraction", test_fraction), val_fraction)
+    for option, held, role in (("val_split", val_split, "validate"), ("test_split", test_split, "test")):
+        if held is not None and held == split:
+            raise ValueError(f"{option} {held!r} is the training split: it would {role} on the training rows")

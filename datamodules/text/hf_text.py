@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.arguments import check_held_out, require_existing, require_int
+from datamodules.plan.arguments import check_split_options, require_existing, require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
@@ -82,12 +82,7 @@ class HFTextSource(SourceSpec):
     test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        check_held_out(("val_split", self.val_split, "val_fraction", self.val_fraction))
-        check_held_out(("test_split", self.test_split, "test_fraction", self.test_fraction), self.val_fraction)
-        for option, split in (("val_split", self.val_split), ("test_split", self.test_split)):
-            if split is not None and split == self.split:
-                role = "validate" if option == "val_split" else "test"
-                raise ValueError(f"{option} {split!r} is the training split: it would {role} on the training rows")
+        check_split_options(self.split, self.val_split, self.val_fraction, self.test_split, self.test_fraction)
         if self.num_proc is not None:
             require_int("num_proc", self.num_proc, 1)
         check_data_files(self.path, self.data_files)

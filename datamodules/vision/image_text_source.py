@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from datamodules.plan.arguments import check_held_out, require_existing, require_int
+from datamodules.plan.arguments import check_split_options, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
@@ -116,12 +116,7 @@ class ImageTextSource(SourceSpec):
             require_int("image_size", self.image_size, 1)
         if self.resize_mode is not None and self.resize_mode not in RESIZE_MODES:
             raise ValueError(f"resize_mode must be one of {RESIZE_MODES}, got {self.resize_mode!r}")
-        check_held_out(("val_split", self.val_split, "val_fraction", self.val_fraction))
-        check_held_out(("test_split", self.test_split, "test_fraction", self.test_fraction), self.val_fraction)
-        for option, split in (("val_split", self.val_split), ("test_split", self.test_split)):
-            if split is not None and split == self.split:
-                role = "validate" if option == "val_split" else "test"
-                raise ValueError(f"{option} {split!r} is the training split: it would {role} on the training rows")
+        check_split_options(self.split, self.val_split, self.val_fraction, self.test_split, self.test_fraction)
         if self.prompt_field is not None and self.prompt:
             raise ValueError(f"give prompt_field ({self.prompt_field!r}) or prompt ({self.prompt!r}), not both")
         if self.processor is None:
