@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import (
     add_run_arguments,
     data_directory,
@@ -23,17 +25,29 @@ from benchmarks.common import (
     write_token_shards,
 )
 from datamodules import TokenShardDataModule, TokenShards
-from datamodules.text.shard_metadata import METADATA_FILE, ShardInfo, ShardMetadata
+from datamodules.text.shard_metadata import METADATA_FILE, ShardInfo, ShardMetadata, edge_ranges, edges_digest
 
 
 def write_metadata(directory: Path, paths: list[Path], tokens_per_shard: list[int]) -> None:
-    """The ``metadata.json`` the prepare command would write, without document boundaries."""
+    """The ``metadata.json`` the prepare command would write (each shard's edges recorded, so opening
+    checks them), without document boundaries."""
     content_hash = hashlib.blake2b(
         "".join(f"{p.name}:{n}" for p, n in zip(paths, tokens_per_shard, strict=True)).encode(), digest_size=16
     ).hexdigest()
+    edges = []
+    for path, count in zip(paths, tokens_per_shard, strict=True):  # as the prepare command records them
+        with open(path, "rb") as f:
+            np.lib.format.read_magic(f)
+            np.lib.format.read_array_header_1_0(f)
+            offset = f.tell()
+            ends = []
+            for start, stop in edge_ranges(offset, count, 2):
+                f.seek(start)
+                ends.append(f.read(stop - start))
+        edges.append(edges_digest(*ends))
     ShardMetadata(
         dtype="uint16",
-        shards=[ShardInfo(p.name, n) for p, n in zip(paths, tokens_per_shard, strict=True)],
+        shards=[ShardInfo(p.name, n, edges=e) for p, n, e in zip(paths, tokens_per_shard, edges, strict=True)],
         num_tokens=sum(tokens_per_shard),
         num_documents=0,
         content_hash=content_hash,

@@ -6,6 +6,7 @@ the tokenizer and a content hash that fingerprints the data for exact resume.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,11 +17,25 @@ DOCUMENT_STARTS_FILE = "document_starts.npy"
 SUPPORTED_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 
+EDGE_BYTES = 4096  # a shard is recognised by its size and its first and last EDGE_BYTES bytes
+
+
 @dataclass
 class ShardInfo:
     file: str
     num_tokens: int
     num_documents: int = 0
+    edges: str = ""  # digest of the file's first and last EDGE_BYTES bytes when it was written ("": not recorded)
+
+
+def edge_ranges(data_offset: int, num_tokens: int, itemsize: int) -> list[tuple[int, int]]:
+    """The byte ranges of a shard file that identify it: its first and last ``EDGE_BYTES`` bytes."""
+    last = max(0, data_offset + num_tokens * itemsize - EDGE_BYTES)
+    return [(0, EDGE_BYTES), (last, last + EDGE_BYTES)]
+
+
+def edges_digest(first: bytes, last: bytes) -> str:
+    return hashlib.blake2b(first + last, digest_size=8).hexdigest()
 
 
 @dataclass

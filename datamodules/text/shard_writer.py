@@ -10,7 +10,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from datamodules.text.shard_metadata import DOCUMENT_STARTS_FILE, ShardInfo, ShardMetadata
+from datamodules.text.shard_metadata import DOCUMENT_STARTS_FILE, ShardInfo, ShardMetadata, edge_ranges, edges_digest
 
 # A fixed-size .npy header (format 1.0), written first with a placeholder length and rewritten
 # with the real one when the shard closes; 128 bytes keeps the data 64-byte aligned, as numpy does.
@@ -76,7 +76,12 @@ class ShardWriter:
         self._file.seek(0)
         self._file.write(npy_header(self.dtype, self._in_shard))
         self._file.close()
-        self._shards.append(ShardInfo(Path(self._file.name).name, self._in_shard))
+        with open(self._file.name, "rb") as written:  # its edges, so a later overwrite is noticed
+            ends = []
+            for start, stop in edge_ranges(_HEADER_BYTES, self._in_shard, self.dtype.itemsize):
+                written.seek(start)
+                ends.append(written.read(stop - start))
+        self._shards.append(ShardInfo(Path(self._file.name).name, self._in_shard, edges=edges_digest(*ends)))
         self._file = None
 
     def close(self) -> ShardMetadata:

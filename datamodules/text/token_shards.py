@@ -24,7 +24,7 @@ import numpy as np
 
 from datamodules.plan.storage import RangeReader, describe_error, is_url, read_ranges, storage_path
 from datamodules.text.megatron import read_index
-from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
+from datamodules.text.shard_metadata import EDGE_BYTES, METADATA_FILE, ShardMetadata, edge_ranges, edges_digest
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +92,37 @@ def _bin_shard(path: Path, dtype: np.dtype) -> _Shard:
     return _Shard(path, size // dtype.itemsize, 0, dtype.name)
 
 
+def _edges(shards: list[_Shard], itemsize: int) -> list[tuple[bytes, bytes]]:
+    """Every shard's first and last ``EDGE_BYTES`` bytes, read in one round (cheap for thousands of files)."""
+    ranges = [edge_ranges(shard.offset, shard.num_tokens, itemsize) for shard in shards]
+    paths = [shard.path for shard in shards for _ in range(2)]
+    read = iter(read_ranges(paths, [a for r in ranges for a, _ in r], [b for r in ranges for _, b in r]))
+    return [(next(read), next(read)) for _ in shards]
+
+
 def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
-    # Names, sizes and both ends of every shard: cheap for thousands of files.
+    # Names, sizes and both ends of every shard.
     h = hashlib.blake2b(digest_size=16)
-    paths, starts, ends = [], [], []
-    for shard in shards:
-        last = max(0, shard.offset + shard.num_tokens * itemsize - 4096)
-        paths += [shard.path, shard.path]
-        starts += [0, last]
-        ends += [4096, last + 4096]
-    ends_of = iter(read_ranges(paths, starts, ends))
-    for shard in shards:
+    for shard, (first, last) in zip(shards, _edges(shards, itemsize), strict=True):
         h.update(f"{shard.path.name}:{shard.num_tokens}".encode())
-        h.update(next(ends_of))
-        h.update(next(ends_of))
+        h.update(first)
+        h.update(last)
     return h.hexdigest()
+
+
+def _check_edges(directory: Path, metadata: ShardMetadata, shards: list[_Shard], itemsize: int) -> None:
+    """Shards whose ends differ from what ``metadata.json`` recorded when they were written: refused, by name."""
+    recorded = [(info, shard) for info, shard in zip(metadata.shards, shards, strict=True) if info.edges]
+    if not recorded:
+        return  # prepared by an earlier version: the content hash alone fingerprints the folder
+    found = _edges([shard for _, shard in recorded], itemsize)
+    changed = [info.file for (info, _), ends in zip(recorded, found, strict=True) if edges_digest(*ends) != info.edges]
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ValueError(
+            f"token shards in {directory} changed since they were prepared: {', '.join(changed[:3])}{more} (its first "
+            f"or last {EDGE_BYTES} bytes differ from {METADATA_FILE}'s record); prepare the folder again"
+        )
 
 
 def _matching(directory: Path, suffixes: tuple[str, ...], file_pattern: str | None) -> list[Path]:
@@ -139,6 +155,7 @@ def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> 
             raise FileNotFoundError(f"{path}, named in {directory / METADATA_FILE}, is missing")
         starts = np.load(io.BytesIO(path.read_bytes())).astype(np.int64)
     vocabulary = {"tokenizer": metadata.tokenizer, "eos_id": metadata.eos_id} if metadata.tokenizer else None
+    _check_edges(directory, metadata, shards, dtype.itemsize)
     fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize)
     return _Layout(dtype, shards, starts, fingerprint, vocabulary)
 

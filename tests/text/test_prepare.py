@@ -411,3 +411,32 @@ def test_the_installed_command_shows_its_own_name(tmp_path: Path) -> None:
         pytest.skip("the package is not installed with its console scripts")
     shown = subprocess.run([str(command), "--help"], capture_output=True, text=True, check=True).stdout
     assert shown.startswith("usage: lm-datamodules-prepare ")
+
+
+def test_a_prepared_shard_overwritten_with_the_same_size_is_refused_on_resume_by_name(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.support import RecordingModel, quiet_trainer
+
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS))
+    meta = prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer, num_proc=1, shard_tokens=500)
+    assert len(meta.shards) > 2 and all(info.edges for info in meta.shards)
+
+    def fit(steps: int, resume: Path | None = None) -> None:
+        dm = TokenShardDataModule(tmp_path / "out", seq_len=8, batch_size=2)
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        quiet_trainer(max_steps=steps, callbacks=[checkpoint]).fit(RecordingModel(), datamodule=dm, ckpt_path=resume)
+
+    fit(2)
+    shard = tmp_path / "out" / meta.shards[1].file
+    data = bytearray(shard.read_bytes())
+    data[-2:] = bytes([data[-2] ^ 1, data[-1]])  # one token of the last 4 KB, same size
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        ValueError, match=rf"changed since they were prepared: {meta.shards[1].file} \(its first or last"
+    ):
+        fit(4, resume=next((tmp_path / "ckpt").glob("*step=2.ckpt")))
+    shard.write_bytes(bytes(data[:-2]) + bytes([data[-2] ^ 1, data[-1]]))  # restored: it resumes
+    fit(4, resume=next((tmp_path / "ckpt").glob("*step=2.ckpt")))
