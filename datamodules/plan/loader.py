@@ -149,8 +149,10 @@ def in_groups(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
 
 def read_ahead(read: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any]:
     """``read(item)`` for each item, in order, each read running in a thread while the caller
-    works on the previous one's result."""
-    with ThreadPoolExecutor(1, thread_name_prefix="plan-read-ahead") as pool:
+    works on the previous one's result. A read's error surfaces at once: the read already started
+    is left to finish in the background, not waited for."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="plan-read-ahead")
+    try:
         pending = None
         for item in items:
             following = pool.submit(read, item)
@@ -159,6 +161,8 @@ def read_ahead(read: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any
             pending = following
         if pending is not None:
             yield pending.result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 class PlanDataLoader(DataLoader):

@@ -167,8 +167,12 @@ class RangeReader:
 
     @property
     def fs(self) -> Any:
-        """This process's filesystem (a new one after a fork or spawn)."""
-        return process_filesystem(self.root, self.storage_options)
+        """This process's filesystem (a new one after a fork or spawn), its own retry loop off (s3fs
+        retries some errors itself): each range is requested at most ``attempts`` times in all."""
+        fs = process_filesystem(self.root, self.storage_options)
+        if hasattr(fs, "retries"):
+            fs.retries = 1
+        return fs
 
     def expect(self, paths: list[str]) -> None:
         """Record the size and ETag of ``paths`` now; reads refuse them if either changes."""
@@ -287,11 +291,13 @@ class RangeReader:
 
 
 def _pool_for(root: str, options: dict[str, Any], io_threads: int) -> dict[str, Any]:
-    """``options`` with room for ``io_threads`` connections: s3fs's client keeps 10 unless told (its
-    ``max_pool_connections``), which would cap the requests in flight below ``io_threads``."""
+    """``options`` with room for ``io_threads`` connections (s3fs's client keeps 10 unless told, its
+    ``max_pool_connections``, which would cap the requests in flight below ``io_threads``) and without
+    the client's own retries (botocore's): ``RangeReader``'s attempts are the only retry budget."""
     if urlparse(root).scheme in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("max_pool_connections", max(io_threads, 10))
+        config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
         options = {**options, "config_kwargs": config}
     return options
 

@@ -3,6 +3,7 @@ clients (s3fs, boto3) unchanged. The same batches as from the same files on disk
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +68,23 @@ def batches(dm: TokenShardDataModule, count: int) -> list[dict[str, torch.Tensor
                 break
         loader = iter(dm.train_dataloader())  # the next epoch
     return taken
+
+
+def test_a_range_answering_503_forever_is_requested_max_attempts_times_with_the_defaults(
+    layouts: dict, proxy: S3Proxy
+) -> None:
+    """No client retry loop under ours: botocore's and s3fs's own retries are off by default."""
+    from datamodules.text.token_shards import TokenShards
+
+    remote = TokenShards(layouts["npy"][1], storage_options=options(proxy.url))
+    reader = remote._readers[0]
+    reader.backoff = 0.01
+    proxy.faults, before = ["503"] * 50, proxy.ranged_gets
+    started = time.monotonic()
+    with pytest.raises(OSError, match=r"reading bytes \d+-\d+ of s3://corpora/npy/part_0.npy failed 5 times"):
+        remote.read_windows(np.array([10], dtype=np.int64), 100)
+    assert proxy.ranged_gets - before == reader.attempts == 5 and time.monotonic() - started < 5
+    proxy.faults = []
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -366,3 +384,18 @@ def test_missing_credentials_are_one_line_at_setup_naming_the_url(
         OSError, match=r"cannot read token shards at 's3://corpora/npy': NoCredentialsError: .*check the key"
     ):
         dm.setup("fit")
+
+
+def test_a_failed_read_surfaces_at_once_not_after_the_next_round() -> None:
+    from datamodules.plan.loader import read_ahead
+
+    def read(item: int) -> int:
+        if item == 0:
+            raise OSError("bytes 0-100 of s3://b/x failed 5 times")
+        time.sleep(3)  # the next round's reads, still failing
+        return item
+
+    started = time.monotonic()
+    with pytest.raises(OSError, match="failed 5 times"):
+        list(read_ahead(read, iter(range(3))))
+    assert time.monotonic() - started < 1.5
