@@ -120,6 +120,32 @@ def test_hidden_states_from_s3_equal_the_local_batches_and_a_missing_file_is_ski
     assert len(remote.bad_samples.reasons) == len(local.bad_samples.reasons) == 1
 
 
+def test_hidden_states_on_s3_set_up_from_the_dataset_files_and_a_wrong_folder_fails_in_a_few_requests(
+    tmp_path: Path, endpoint: str
+) -> None:
+    from benchmarks.object_store.server import S3Proxy
+
+    data_dir = speculative_dataset(tmp_path, 60)
+    url = upload(endpoint, data_dir, "speculative-setup")
+    proxy = S3Proxy(endpoint)
+    try:
+        dm = HiddenStatesDataModule(url, total_seq_len=64, storage_options=storage_options(proxy.url))
+        dm.setup("fit")
+        fetched = [path for method, path in proxy.paths if method == "GET" and "/hidden_states/" in path]
+        # The dataset's own files only; the states' shape from one file's header: two small ranged reads.
+        ranged = [path for path, _ in proxy.requests if "/hidden_states/" in path]
+        assert len(fetched) == len(ranged) == 2 and len(set(fetched)) == 1, fetched
+        proxy.reset_counts()
+        wrong = HiddenStatesDataModule(
+            url, total_seq_len=64, hidden_states_dir=f"{url}/nowhere", storage_options=storage_options(proxy.url)
+        )
+        with pytest.raises(ValueError, match="no hidden states found for any of the 60 rows in .*nowhere: none for"):
+            wrong.setup("fit")
+        assert sum(proxy.methods.values()) < 60, proxy.methods  # a bounded probe, not 2 requests a row
+    finally:
+        proxy.close()
+
+
 def test_a_missing_bucket_or_folder_is_one_line_at_setup(tmp_path: Path, endpoint: str) -> None:
     tokenizer = tokenizer_for(tmp_path / "tok")
     dm = ImageTextDataModule(

@@ -72,7 +72,7 @@ class S3Proxy:
     ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed;
     ``gets`` and ``get_bytes`` count every GET and its body, ranged or whole (a client that downloads
     whole objects sends no Range); ``puts`` lists the object path of every PUT, in order; ``methods``
-    counts requests by method.
+    counts requests by method; ``paths`` lists ``(method, object path)`` of every request.
     """
 
     def __init__(self, upstream: str, delay: float = 0.0) -> None:
@@ -85,6 +85,7 @@ class S3Proxy:
         self.requests: list[tuple[str, str]] = []
         self.puts: list[str] = []  # object path of every PUT, in order
         self.methods: Counter[str] = Counter()  # requests by method (HEAD, GET, ...)
+        self.paths: list[tuple[str, str]] = []  # (method, object path) of every request, in order
         self.most_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -96,6 +97,7 @@ class S3Proxy:
         with self._lock:
             self.ranged_gets = self.bytes_sent = self.gets = self.get_bytes = self.most_in_flight = 0
             self.requests.clear()
+            self.paths.clear()
             self.puts.clear()
             self.methods.clear()
 
@@ -134,6 +136,7 @@ class S3Proxy:
                 fault = None
                 with proxy._lock:
                     proxy.methods[self.command] += 1
+                    proxy.paths.append((self.command, self.path.split("?")[0]))
                     if self.command == "PUT":
                         proxy.puts.append(self.path.split("?")[0])
                     if ranged:

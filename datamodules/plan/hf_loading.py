@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import copy
 import glob
+import hashlib
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+
+import fsspec
 
 from datamodules.plan.arguments import QUICKSTART_HINT
 from datamodules.plan.storage import describe_error, is_url, storage_path
@@ -37,6 +43,41 @@ def _is_builder(path: str) -> bool:
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
     return path in _PACKAGED_DATASETS_MODULES
+
+
+def _saved_files(fs: Any, root: str) -> list[str]:
+    """The files of a ``save_to_disk`` folder, relative to it: its JSON files and the Arrow files its
+    ``state.json`` names (for a ``DatasetDict``, each split's); nothing else that sits beside them."""
+    root = root.rstrip("/")
+    if fs.exists(f"{root}/dataset_dict.json"):
+        splits = json.loads(fs.cat_file(f"{root}/dataset_dict.json"))["splits"]
+        return ["dataset_dict.json"] + [
+            f"{split}/{name}" for split in splits for name in _saved_files(fs, f"{root}/{split}")
+        ]
+    state = json.loads(fs.cat_file(f"{root}/state.json"))
+    return ["state.json", "dataset_info.json"] + [entry["filename"] for entry in state["_data_files"]]
+
+
+def saved_dataset_copy(url: str, storage_options: dict[str, Any] | None = None) -> str:
+    """A node-local copy of the ``save_to_disk`` folder at ``url``: only the dataset's own files (a
+    ``hidden_states/`` folder beside them is never downloaded), kept under the system's temporary
+    folder, keyed by the URL and the dataset's state, and reused while they match."""
+    fs, root = fsspec.url_to_fs(url, **copy.deepcopy(storage_options or {}))
+    names = _saved_files(fs, root)
+    states = [fs.cat_file(f"{root.rstrip('/')}/{name}") for name in names if name.endswith("state.json")]
+    key = hashlib.blake2b(url.encode() + b"".join(states), digest_size=12).hexdigest()
+    target = Path(tempfile.gettempdir()) / "datamodules-saved-datasets" / key
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+        for name in names:
+            (partial / name).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{root.rstrip('/')}/{name}", str(partial / name))
+        try:
+            os.replace(partial, target)
+        except OSError:  # another process of this node finished first: use its copy
+            shutil.rmtree(partial, ignore_errors=True)
+    return str(target)
 
 
 def check_data_files(path: str, data_files: str | list[str] | dict[str, Any] | None) -> None:
@@ -79,7 +120,8 @@ def load_split(
     remote = {"storage_options": copy.deepcopy(storage_options)} if storage_options else {}
     if is_saved_dataset(path, storage_options):
         try:
-            loaded = datasets.load_from_disk(str(path), **(remote if is_url(path) else {}))
+            local = saved_dataset_copy(str(path), storage_options) if is_url(path) else str(path)
+            loaded = datasets.load_from_disk(local)
         except Exception as err:  # datasets' own failure, told in one line
             raise error(f"cannot load the saved dataset {path} ({type(err).__name__}: {one_line(err)})") from None
         if isinstance(loaded, datasets.DatasetDict):

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-from datamodules.plan.storage import RangeReader, describe_error, is_url, process_filesystem, storage_path
+from datamodules.plan.storage import (
+    RangeReader,
+    describe_error,
+    is_url,
+    process_filesystem,
+    read_range,
+    storage_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,24 @@ class RemoteFiles:
         data = self._fetch(url)
         self._keep(path, data)
         return io.BytesIO(data)
+
+    def read_range(self, location: str | os.PathLike, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the file at ``location`` (one ranged request for a URL, retried)."""
+        if not is_url(location):
+            return read_range(storage_path(location), start, end)
+        return self._reader(str(location)).read([str(location)], [start], [end])[0]  # a missing one: FileNotFoundError
+
+    def list_names(self, folder: str | os.PathLike) -> list[str]:
+        """The names in ``folder`` (one listing; none if it does not exist)."""
+        try:
+            if not is_url(folder):
+                return os.listdir(folder)
+            return [
+                str(name)
+                for name in process_filesystem(str(folder), self.storage_options).ls(str(folder), detail=False)
+            ]
+        except FileNotFoundError:
+            return []
 
     def write_bytes(self, url: str, data: bytes) -> None:
         """Store ``data`` as the object ``url`` (one PUT: readers see the old object or the new one)."""

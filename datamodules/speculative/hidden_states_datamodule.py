@@ -3,8 +3,9 @@ training speculative-decoding draft models (EAGLE-style), through the sample pla
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -44,6 +45,9 @@ def train_rows(num_rows: int, train_ratio: float) -> int:
             "validation; both splits need at least one row"
         )
     return k
+
+
+PROBE_ROWS = 16  # rows whose states' headers are read to learn their shape, before one listing
 
 
 class HiddenStatesDataModule(PlanDataModule):
@@ -235,18 +239,29 @@ class HiddenStatesDataModule(PlanDataModule):
             found = fetcher.fetch(0, ids)
             if found.states is None:
                 raise ValueError(f"cannot learn the hidden states' shape from row 0: {found.reason}")
-            candidates = [(0, found.states)]
-        else:
-            candidates = ((row, fetcher.store.lookup(row)) for row in range(len(dataset)))
-        for row, states in candidates:
-            if states is not None:
-                layers, hidden_size = states["hidden_states"].shape[1:]
-                if layers < 2:
-                    raise ValueError(
-                        f"{fetcher.store.describe(row)} holds {layers} layer; draft training needs at least 2"
-                    )
-                return int(layers), int(hidden_size)
-        raise ValueError(f"no hidden states found for any of the {len(dataset)} rows in {self.hidden_states_dir}")
+            return self._checked_shape(fetcher.store, 0, tuple(found.states["hidden_states"].shape[1:]))
+        # A bounded probe: a few rows spread over the dataset (their headers only), then one listing.
+        rows = len(dataset)
+        probed = sorted(set(np.linspace(0, rows - 1, min(rows, PROBE_ROWS)).astype(int).tolist()))
+
+        def listed() -> Iterator[int]:  # read only if the probe finds nothing
+            yield from (row for row in fetcher.store.cached_indices() or [] if row < rows)
+
+        for row in itertools.chain(probed, listed()):
+            shape = fetcher.store.layers_and_width(row)
+            if shape is not None:
+                return self._checked_shape(fetcher.store, row, shape)
+        raise ValueError(
+            f"no hidden states found for any of the {rows} rows in {self.hidden_states_dir}: none for the "
+            f"{len(probed)} rows probed, and its listing holds no hs_*.safetensors of these rows"
+        )
+
+    @staticmethod
+    def _checked_shape(store: Any, row: int, shape: tuple[int, ...]) -> tuple[int, int]:
+        layers, hidden_size = shape
+        if layers < 2:
+            raise ValueError(f"{store.describe(row)} holds {layers} layer; draft training needs at least 2")
+        return int(layers), int(hidden_size)
 
     def build_plan(self, position: int, step: int) -> SamplePlan:
         # Packed rows arrive in the packer's own order, keyed by the pass; the plan adds no shuffle.

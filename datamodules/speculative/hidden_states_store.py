@@ -4,7 +4,9 @@ default backend, the ``hidden_states/hs_{i}.safetensors`` files the ``speculator
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -40,6 +42,16 @@ class HiddenStatesStore(ABC):
     @abstractmethod
     def lookup(self, index: int) -> States | None:
         """The cached states of dataset row ``index``, or ``None`` when there are none."""
+
+    def layers_and_width(self, index: int) -> tuple[int, int] | None:
+        """``(L, H)`` of row ``index``'s cached states without reading them all; ``None`` when there
+        are none. By default, through ``lookup``."""
+        states = self.lookup(index)
+        return None if states is None else tuple(states["hidden_states"].shape[1:])
+
+    def cached_indices(self) -> list[int] | None:
+        """The rows with cached states, from one listing; ``None`` when the store cannot list."""
+        return None
 
     @abstractmethod
     def fetch(self, location: str) -> States:
@@ -90,6 +102,25 @@ class HiddenStateFiles(HiddenStatesStore):
             except FileNotFoundError:
                 return None
         return self.fetch(path) if os.path.exists(path) else None
+
+    def layers_and_width(self, index: int) -> tuple[int, int] | None:
+        # The safetensors header only: its length (8 bytes), then the JSON naming every tensor's shape.
+        path = self.path(index)
+        try:
+            size = int.from_bytes(self.files.read_range(path, 0, 8), "little")
+            header = json.loads(self.files.read_range(path, 8, 8 + size))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError) as err:
+            raise BadSample(f"cannot read hidden states {path}: {err}") from None
+        shape = header.get("hidden_states", {}).get("shape")
+        if not shape or len(shape) != 3:
+            raise BadSample(f"{path} holds no hidden_states tensor [T, L, H] (its tensors: {sorted(header)})")
+        return int(shape[1]), int(shape[2])
+
+    def cached_indices(self) -> list[int]:
+        names = [Path(str(name)).name for name in self.files.list_names(self.directory)]
+        return sorted(int(m.group(1)) for name in names if (m := re.fullmatch(r"hs_(\d+)\.safetensors", name)))
 
     def fetch(self, location: str) -> States:
         if is_url(location):

@@ -238,7 +238,9 @@ def test_setup_refuses_data_it_cannot_read_with_one_message(tmp_path: Path, data
     conversations(5).map(lambda r, i: {"seq_len": r["seq_len"] + (i == 2)}, with_indices=True).save_to_disk(str(wrong))
     with pytest.raises(ValueError, match="row 2 has seq_len .* input_ids"):
         datamodule(wrong)
-    with pytest.raises(ValueError, match="no hidden states found for any of the 60 rows in /nowhere"):
+    with pytest.raises(
+        ValueError, match="no hidden states found for any of the 60 rows in /nowhere: none for the 16 rows"
+    ):
         datamodule(data_dir, hidden_states_dir="/nowhere")
     with pytest.raises(ValueError, match="leaves 0 for training and 60 for validation"):
         datamodule(data_dir, train_ratio=0.001)
