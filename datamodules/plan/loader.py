@@ -150,8 +150,9 @@ def in_groups(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
 def read_ahead(read: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any]:
     """``read(item)`` for each item, in order, each read running in a thread while the caller
     works on the previous one's result. A read's error surfaces at once: the read already started
-    is left to finish in the background, not waited for."""
+    is left to finish in the background, not waited for (a loader closed normally waits for it)."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="plan-read-ahead")
+    failed = False
     try:
         pending = None
         for item in items:
@@ -161,8 +162,11 @@ def read_ahead(read: Callable[[Any], Any], items: Iterator[Any]) -> Iterator[Any
             pending = following
         if pending is not None:
             yield pending.result()
+    except Exception:
+        failed = True
+        raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=not failed, cancel_futures=True)
 
 
 class PlanDataLoader(DataLoader):

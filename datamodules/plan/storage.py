@@ -81,21 +81,21 @@ def join_location(root: str, name: str) -> str:
 
 def read_ranges(paths: list[Path], starts: list[int], ends: list[int]) -> list[bytes]:
     """``read_range`` of many files at once: for URLs, one round of concurrent requests per filesystem
-    (setup reads a header or two per shard: thousands of them must not wait one round trip each)."""
+    (setup reads a header or two per shard: thousands of them must not wait one round trip each),
+    retried as ``RangeReader`` retries; a remote range must lie within its file."""
     out: list[bytes] = [b""] * len(paths)
     remote: dict[int, list[int]] = {}  # filesystem object id -> indices read through it
-    filesystems = {}
     for i, path in enumerate(paths):
         fs = getattr(path, "fs", None)
         if fs is None:
             out[i] = read_range(path, starts[i], ends[i])
         elif starts[i] < ends[i]:
             remote.setdefault(id(fs), []).append(i)
-            filesystems[id(fs)] = fs
-    for key, indices in remote.items():
-        blobs = filesystems[key].cat_ranges(
-            [paths[i].path for i in indices], [starts[i] for i in indices], [ends[i] for i in indices], on_error="raise"
-        )
+    for indices in remote.values():
+        # Through a RangeReader: the same retry budget as training's reads, and a failure names the object.
+        first = paths[indices[0]]
+        reader = RangeReader(f"{urlparse(str(first)).scheme}://", getattr(first, "storage_options", None))
+        blobs = reader.read([str(paths[i]) for i in indices], [starts[i] for i in indices], [ends[i] for i in indices])
         for i, blob in zip(indices, blobs, strict=True):
             out[i] = blob
     return out

@@ -29,9 +29,10 @@ class ShardInfo:
 
 
 def edge_ranges(data_offset: int, num_tokens: int, itemsize: int) -> list[tuple[int, int]]:
-    """The byte ranges of a shard file that identify it: its first and last ``EDGE_BYTES`` bytes."""
-    last = max(0, data_offset + num_tokens * itemsize - EDGE_BYTES)
-    return [(0, EDGE_BYTES), (last, last + EDGE_BYTES)]
+    """The byte ranges of a shard file that identify it: its first and last ``EDGE_BYTES`` bytes
+    (the whole file, twice, when it is shorter)."""
+    size = data_offset + num_tokens * itemsize
+    return [(0, min(EDGE_BYTES, size)), (max(0, size - EDGE_BYTES), size)]
 
 
 def edges_digest(first: bytes, last: bytes) -> str:

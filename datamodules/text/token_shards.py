@@ -57,11 +57,8 @@ class _Layout:
 
 def _npy_shards(paths: list[Path]) -> list[_Shard]:
     """1-D ``.npy`` files as shards, reading only their headers (for URLs, all in one round of requests)."""
-    try:
-        sizes = [path.stat().st_size for path in paths]
-        heads = read_ranges(paths, [0] * len(paths), [min(size, _NPY_HEAD) for size in sizes])
-    except OSError as err:
-        raise OSError(f"cannot read the headers of token shards in {paths[0].parent if paths else ''}: {err}") from None
+    sizes = [path.stat().st_size for path in paths]
+    heads = read_ranges(paths, [0] * len(paths), [min(size, _NPY_HEAD) for size in sizes])  # errors name the file
     return [_npy_shard(path, size, head) for path, size, head in zip(paths, sizes, heads, strict=True)]
 
 

@@ -399,3 +399,18 @@ def test_a_failed_read_surfaces_at_once_not_after_the_next_round() -> None:
     with pytest.raises(OSError, match="failed 5 times"):
         list(read_ahead(read, iter(range(3))))
     assert time.monotonic() - started < 1.5
+
+
+def test_a_shard_header_answering_503_forever_fails_setup_within_the_budget_naming_the_object(
+    layouts: dict, proxy: S3Proxy
+) -> None:
+    from datamodules.text.token_shards import TokenShards
+
+    proxy.faults, before = ["503"] * 100, proxy.ranged_gets
+    started = time.monotonic()
+    with pytest.raises(OSError, match=r"reading bytes 0-\d+ of s3://corpora/npy/part_\d+\.npy failed 5 times") as err:
+        TokenShards(layouts["npy"][1], storage_options=options(proxy.url))
+    headers = len({path for path, _ in proxy.requests[before:]})
+    assert proxy.ranged_gets - before <= 5 * headers and time.monotonic() - started < 15
+    assert str(err.value).count("s3://corpora/npy'") <= 1  # the folder named once, then the object
+    proxy.faults = []
