@@ -21,7 +21,10 @@ def program_name(module: str) -> str:
     return name if name.startswith("lm-datamodules") else f"python -m {module}"
 
 
-QUICKSTART_HINT = "; the configs read the quickstart's data: run `python -m examples.quickstart` first"
+def quickstart_hint(name: str) -> str:
+    """What to add to the error about a missing ``name`` that lies in the quickstart's data folder."""
+    quickstart = "; the configs read the quickstart's data: run `python -m examples.quickstart` first"
+    return quickstart if ".cache/quickstart" in name else ""
 
 
 def looks_local(name: str) -> bool:
@@ -39,8 +42,7 @@ def require_existing(option: str, path: object, only_if_local: bool = False) -> 
     name = str(path)
     if (only_if_local and not looks_local(name)) or Path(name).expanduser().exists():
         return
-    hint = QUICKSTART_HINT if ".cache/quickstart" in name else ""
-    raise ValueError(f"{option} {name!r} does not exist{hint}")
+    raise ValueError(f"{option} {name!r} does not exist{quickstart_hint(name)}")
 
 
 def check_held_out(option: tuple[str, object, str, float], other_fraction: float = 0.0) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import fsspec
 
-from datamodules.plan.arguments import QUICKSTART_HINT
+from datamodules.plan.arguments import quickstart_hint
 from datamodules.plan.storage import describe_error, is_url, storage_path
 
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
@@ -45,17 +45,20 @@ def _is_builder(path: str) -> bool:
     return path in _PACKAGED_DATASETS_MODULES
 
 
-def _saved_files(fs: Any, root: str) -> list[str]:
-    """The files of a ``save_to_disk`` folder, relative to it: its JSON files and the Arrow files its
-    ``state.json`` names (for a ``DatasetDict``, each split's); nothing else that sits beside them."""
-    root = root.rstrip("/")
+def _saved_files(fs: Any, root: str) -> tuple[list[str], bytes]:
+    """The files of a ``save_to_disk`` folder, relative to it (its JSON files and the Arrow files its
+    ``state.json`` names, for a ``DatasetDict`` each split's; nothing else that sits beside them), and
+    the contents of its ``state.json`` files, which say what version of the data it holds."""
     if fs.exists(f"{root}/dataset_dict.json"):
-        splits = json.loads(fs.cat_file(f"{root}/dataset_dict.json"))["splits"]
-        return ["dataset_dict.json"] + [
-            f"{split}/{name}" for split in splits for name in _saved_files(fs, f"{root}/{split}")
-        ]
-    state = json.loads(fs.cat_file(f"{root}/state.json"))
-    return ["state.json", "dataset_info.json"] + [entry["filename"] for entry in state["_data_files"]]
+        names, states = ["dataset_dict.json"], b""
+        for split in json.loads(fs.cat_file(f"{root}/dataset_dict.json"))["splits"]:
+            split_names, split_state = _saved_files(fs, f"{root}/{split}")
+            names += [f"{split}/{name}" for name in split_names]
+            states += split_state
+        return names, states
+    state = fs.cat_file(f"{root}/state.json")
+    data = [entry["filename"] for entry in json.loads(state)["_data_files"]]
+    return ["state.json", "dataset_info.json", *data], state
 
 
 def saved_dataset_copy(url: str, storage_options: dict[str, Any] | None = None) -> str:
@@ -63,16 +66,16 @@ def saved_dataset_copy(url: str, storage_options: dict[str, Any] | None = None) 
     ``hidden_states/`` folder beside them is never downloaded), kept under the system's temporary
     folder, keyed by the URL and the dataset's state, and reused while they match."""
     fs, root = fsspec.url_to_fs(url, **copy.deepcopy(storage_options or {}))
-    names = _saved_files(fs, root)
-    states = [fs.cat_file(f"{root.rstrip('/')}/{name}") for name in names if name.endswith("state.json")]
-    key = hashlib.blake2b(url.encode() + b"".join(states), digest_size=12).hexdigest()
+    root = root.rstrip("/")
+    names, states = _saved_files(fs, root)
+    key = hashlib.blake2b(url.encode() + states, digest_size=12).hexdigest()
     target = Path(tempfile.gettempdir()) / "datamodules-saved-datasets" / key
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
         for name in names:
             (partial / name).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(f"{root.rstrip('/')}/{name}", str(partial / name))
+            fs.get_file(f"{root}/{name}", str(partial / name))
         try:
             os.replace(partial, target)
         except OSError:  # another process of this node finished first: use its copy
@@ -90,8 +93,7 @@ def check_data_files(path: str, data_files: str | list[str] | dict[str, Any] | N
     for value in values:
         for pattern in [value] if isinstance(value, str) else list(value or []):
             if not is_url(pattern) and not glob.glob(os.path.expanduser(str(pattern)), recursive=True):
-                hint = QUICKSTART_HINT if ".cache/quickstart" in str(pattern) else ""
-                raise ValueError(f"data_files pattern {str(pattern)!r} matches no file{hint}")
+                raise ValueError(f"data_files pattern {str(pattern)!r} matches no file{quickstart_hint(str(pattern))}")
 
 
 def load_split(
@@ -104,9 +106,10 @@ def load_split(
     error: type[Exception] = ValueError,
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
-    """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped; a URL is
-    downloaded first) or of anything ``datasets.load_dataset`` takes (a hub name, a builder such as
-    ``"parquet"`` or ``"imagefolder"`` with ``data_files``, local or URLs, a local data folder);
+    """Split ``split`` of a ``save_to_disk`` folder (``load_from_disk``, memory-mapped; at a URL, its
+    own files are copied to a node-local folder first, ``saved_dataset_copy``) or of anything
+    ``datasets.load_dataset`` takes (a hub name, a builder such as ``"parquet"`` or ``"imagefolder"``
+    with ``data_files``, local or URLs, a local data folder);
     ``streaming`` gives an ``IterableDataset``. ``storage_options``: for URLs, as ``datasets`` takes them.
 
     A folder holding one ``Dataset`` (not a ``DatasetDict``) has one split: the name it was saved

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from datamodules.plan.arguments import check_split_options, require_existing, require_int
+from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset
 from datamodules.plan.loader import RankZero, SourceSpec
@@ -88,8 +89,7 @@ class HFTextSource(SourceSpec):
         check_data_files(self.path, self.data_files)
         require_existing("path", self.path, only_if_local=True)
         require_existing("tokenizer", self.tokenizer, only_if_local=True)
-        if self.on_bad_row not in BAD_ROW_POLICIES:
-            raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.on_bad_row!r}")
+        check_policy(self.on_bad_row, BAD_ROW_POLICIES, "on_bad_row")
 
     def _corpus(self, split: str) -> DatasetCorpus:
         files = tuple(self.data_files) if isinstance(self.data_files, list) else self.data_files

@@ -82,18 +82,18 @@ def split_windows(
         "validation": math.ceil(total * val_fraction) if val is None else 0,
         "test": math.ceil(total * test_fraction) if test is None else 0,
     }
-    counts = f"{total} tokens: {total - sum(tails.values())} train"
-    counts += "".join(f", {n} {role}" for role, n in tails.items() if n)
+    end = total - sum(tails.values())
     given = (("val_fraction", val_fraction), ("test_fraction", test_fraction))
     fractions = ", ".join(f"{k}={v}" for k, v in given if v)
-    end = total - sum(tails.values())
-    train = TokenWindows(shards, last_token=end, split_name=f"the training split ({fractions} of {counts})", **windows)
+    counts = f"{total} tokens: {end} train" + "".join(f", {n} {role}" for role, n in tails.items() if n)
+    detail = f" ({fractions} of {counts})" if fractions else ""
+    train = TokenWindows(shards, last_token=end, split_name=f"the training split{detail}", **windows)
     held: dict[str, TokenWindows] = {}
     for role, own in (("validation", val), ("test", test)):
         if own is not None:
             held[role] = TokenWindows(own, split_name=f"the {role} split", **windows)
         elif tails[role]:
-            name = f"the {role} split ({fractions} of {counts})"
+            name = f"the {role} split{detail}"
             held[role] = TokenWindows(shards, first_token=end, last_token=end + tails[role], split_name=name, **windows)
             end += tails[role]
     return train, held

@@ -193,7 +193,7 @@ class ImageTextSource(SourceSpec):
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[ImageTextSamples, ImageTextSamples | None]:
+    ) -> tuple[ImageTextSamples, dict[str, ImageTextSamples]]:
         """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
         if pack_sequences:
             raise ValueError("image-text samples are not packed: use pack_sequences=False")
@@ -218,11 +218,11 @@ class ImageTextSource(SourceSpec):
             )
 
         train = self._dataset(self.split)
-        held = {
-            role: samples(dataset, RowSplit(len(dataset)), split)
-            for role, split in (("validation", self.val_split), ("test", self.test_split))
-            if split is not None and (dataset := self._dataset(split)) is not None
-        }
+        held = {}
+        for role, split in (("validation", self.val_split), ("test", self.test_split)):
+            if split is not None:
+                dataset = self._dataset(split)
+                held[role] = samples(dataset, RowSplit(len(dataset)), split)
         fractions = {"validation": self.val_fraction, "test": self.test_fraction}
         rows, tails = held_out_rows(len(train), fractions, "rows")
         held.update({role: samples(train, split, self.split + HELD_OUT_NAMES[role]) for role, split in tails.items()})

@@ -29,7 +29,7 @@ from typing import Any
 import av
 import numpy as np
 
-from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.bad_samples import BadSample, check_policy
 from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.plan.storage import is_url
 
@@ -185,8 +185,7 @@ class FrameReader:
         files: RemoteFiles = LOCAL_FILES,
         accuracy: str = "exact",
     ) -> None:
-        if accuracy not in FRAME_ACCURACIES:
-            raise ValueError(f"frame_accuracy must be one of {FRAME_ACCURACIES}, got {accuracy!r}")
+        check_policy(accuracy, FRAME_ACCURACIES, "frame_accuracy")
         self.container = container
         self.path = path
         self.files = files

@@ -112,8 +112,8 @@ class VideoSource(SourceSpec):
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[VideoSamples, VideoSamples | None]:
-        """Training and validation samples of ``seq_len`` tokens (``max_text_len``) each."""
+    ) -> tuple[VideoSamples, dict[str, VideoSamples]]:
+        """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
         if pack_sequences:
             raise ValueError("video samples are not packed: use pack_sequences=False")
         tokenizer = load_pretrained("tokenizer", self.tokenizer)
@@ -146,11 +146,11 @@ class VideoSource(SourceSpec):
             )  # fmt: skip
 
         train = self.layout.load(self.manifest)
-        held = {
-            role: samples(dataset, RowSplit(len(dataset)), role)
-            for role, manifest in (("validation", self.val_manifest), ("test", self.test_manifest))
-            if manifest is not None and (dataset := self.layout.load(manifest, self.manifest)) is not None
-        }
+        held = {}
+        for role, manifest in (("validation", self.val_manifest), ("test", self.test_manifest)):
+            if manifest is not None:
+                dataset = self.layout.load(manifest, self.manifest)
+                held[role] = samples(dataset, RowSplit(len(dataset)), role)
         fractions = {"validation": self.val_fraction, "test": self.test_fraction}
         rows, tails = held_out_rows(len(train), fractions, "clips")
         held.update({role: samples(train, split, "train" + HELD_OUT_NAMES[role]) for role, split in tails.items()})

@@ -168,6 +168,9 @@ def test_a_fraction_too_small_for_a_window_names_the_split_and_both_counts(tmp_p
     )
     with pytest.raises(ValueError, match=message):
         dm.setup("fit")
+    short = TokenShardDataModule(make_token_shards(tmp_path / "short", 50), seq_len=64, batch_size=4)
+    with pytest.raises(ValueError, match=r"but .*short has 50 tokens in the training split$"):
+        short.setup("fit")
 
 
 def test_empty_directory_fails_at_setup(tmp_path: Path) -> None:
