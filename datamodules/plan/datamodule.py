@@ -22,10 +22,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from datamodules.plan.arguments import require_int
-from datamodules.plan.loader import POSITION, STOP, PlanDataLoader, PlanDataset, Source, SourceSpec
+from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
+from datamodules.plan.stopping import STOP, RankVote
 from datamodules.plan.stream import Stream, StreamTraining, gathered
 from datamodules.plan.trained_spans import TrainedSpans
 from datamodules.plan.worker_start import start_method
@@ -99,6 +100,7 @@ class PlanDataModule(LightningDataModule):
         self.phases: list[dict[str, Any]] | None = None  # the PhaseScheduler's schedule, when one runs
         self._checkpoint_phases: list[dict[str, Any]] | None = None
         self._summarized = False  # the data summary is shown once per fit
+        self._vote = RankVote(type(self).__name__)  # several ranks stop together (stopping.py)
 
     def build_sources(self) -> list[tuple[str, Source | None, dict[str, Source]]]:
         """``(name, train, held)`` of every source: ``held`` maps ``"validation"`` and ``"test"`` to
@@ -168,6 +170,7 @@ class PlanDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self._summarized = False
+        self._vote = RankVote(type(self).__name__)
         if not self._built:
             stream = self.build_stream()
             if stream is not None:
@@ -329,14 +332,16 @@ class PlanDataModule(LightningDataModule):
             done = loop.batch_progress.current.processed if loop is not None else 0
             return epoch_batches - min(done, epoch_batches)
 
-        return self._stream.loader(
-            self.dp_rank,
-            self.dp_size,
-            self.num_workers,
-            self._batches_trained(),
-            remaining,
-            epoch_batches,
-            **self._loader_options(),
+        return self._stopping_together(
+            self._stream.loader(
+                self.dp_rank,
+                self.dp_size,
+                self.num_workers,
+                self._batches_trained(),
+                remaining,
+                epoch_batches,
+                **self._loader_options(),
+            )
         )
 
     def _loader_options(self) -> dict[str, Any]:
@@ -362,14 +367,16 @@ class PlanDataModule(LightningDataModule):
         method = None
         if self.num_workers > 0:
             method = start_method(self.worker_start_method, self.spawn_reasons(), type(self).__name__)
-        return PlanDataLoader(
-            dataset,
-            sampler,
-            self.num_workers,
-            multiprocessing_context=method,
-            in_order=self.in_order,
-            **options,
+        return self._stopping_together(
+            PlanDataLoader(
+                dataset, sampler, self.num_workers, multiprocessing_context=method, in_order=self.in_order, **options
+            )
         )
+
+    def _stopping_together(self, loader: Any) -> Any:
+        """On several ranks, a loader's failure becomes a stop every rank votes on (``stopping.py``)."""
+        loader.stop_together = getattr(self.trainer, "world_size", 1) > 1
+        return loader
 
     def source_weights(self) -> list[float] | None:
         """Each source's share of the samples at the current step (a mixture's); ``None``: one source."""
@@ -444,8 +451,7 @@ class PlanDataModule(LightningDataModule):
         normalize their uint8 pixels: a quarter of the bytes cross the loader and the host-to-device
         copy); then the model's own ``on_after_batch_transfer``, which Lightning would otherwise skip
         when a DataModule defines the hook."""
-        if getattr(self._train, "may_stop", False):
-            self._stop_if_asked(batch.pop(STOP, None))
+        self._vote.check(batch.pop(STOP, None))
         position = batch.pop(POSITION, None)
         if position is not None and self._trained is not None:
             self._trained.record(position)
@@ -456,21 +462,6 @@ class PlanDataModule(LightningDataModule):
         if model is not None and is_overridden("on_after_batch_transfer", model):
             batch = model.on_after_batch_transfer(batch, dataloader_idx)
         return batch
-
-    def _stop_if_asked(self, message: str | None) -> None:
-        """Stop training on every data-parallel rank at once when any rank's batch asks to (``STOP``).
-
-        Every rank calls this for every batch, so the ranks meet in one small all-gather per step and
-        raise together: none is left waiting in the next gradient all-reduce.
-        """
-        asked = [message is not None]
-        if self.trainer is not None and self.trainer.world_size > 1:
-            flags = self.trainer.strategy.all_gather(torch.tensor(asked, device=self.trainer.strategy.root_device))
-            asked = flags.flatten().tolist()
-        if any(asked):
-            ranks = [rank for rank, flag in enumerate(asked) if flag]
-            reason = message or "see that rank's log"
-            raise RuntimeError(f"{type(self).__name__}: training stopped on every rank by rank(s) {ranks}: {reason}")
 
     def _val_loader(self, name: str, val: Source) -> DataLoader:
         plan = SamplePlan((PlannedSource(name, len(val), val.fingerprint),), shuffle=False)

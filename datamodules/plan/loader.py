@@ -19,14 +19,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import SamplePlan
+from datamodules.plan.stopping import from_workers, stop_together
 
 RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 MESSAGE_BATCHES = 16  # micro-batches per worker message, unless a source says otherwise
-# A batch holding this key (a message) asks to stop training: the DataModule stops every rank at once,
-# at the same step, so none is left waiting in a collective.
-STOP = "stop_training"
 # With ``in_order=False``, each batch names the first plan position of its span (a plain int, popped
 # before the model sees the batch), so the DataModule can record which batches were trained.
 POSITION = "plan_position"
@@ -180,6 +178,8 @@ class PlanDataLoader(DataLoader):
     DataLoader's per-item machinery, and the sampler advances no further than what was yielded.
     With ``in_order=False`` (workers only), worker messages are handed over as they finish rather
     than in plan order; a dataset with ``tag_positions`` then names each batch's span (``POSITION``).
+    With ``stop_together`` (several ranks), a failure does not raise here: it ends the batches with a
+    stop every rank votes on (``stopping.py``).
     """
 
     def __init__(
@@ -206,11 +206,15 @@ class PlanDataLoader(DataLoader):
         # Tensors are built here in the main process, so they are pinned here, on both paths; the
         # DataLoader's own pinning would only see the workers' numpy arrays.
         self.pin_batches = pin_memory
+        self.stop_together = False
 
     def __len__(self) -> int:
         return len(self.sampler)  # micro-batches, however many travel in one worker message
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return stop_together(self._batches()) if self.stop_together else self._batches()
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         group = getattr(self.dataset.source, "batches_per_message", MESSAGE_BATCHES)
         if self.num_workers == 0 and hasattr(self.dataset.source, "fetch_many"):
             # Concurrent fetches in-process too: a group of spans at a time, the next group fetched in
@@ -222,7 +226,7 @@ class PlanDataLoader(DataLoader):
         elif self.num_workers == 0:
             raws = map(self.dataset.__getitem__, self.sampler)
         else:
-            raws = itertools.chain.from_iterable(super().__iter__())
+            raws = itertools.chain.from_iterable(from_workers(super().__iter__))
         to_batch = self.dataset.source.to_batch
         mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.plan.loader import keep_raw
+from datamodules.plan.stopping import from_workers, stop_together
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class StreamLoader(DataLoader):
         self.cursor, self.epoch_batches, self.pin_batches = cursor, epoch_batches, pin_memory
         self.epoch_length = epoch_length
         self._raws: Iterator[tuple[Any, int, ReaderState]] | None = None
+        self.stop_together = False  # several ranks: a failure ends the batches with a stop they vote on
 
     def __len__(self) -> int:
         if self.epoch_length is None:
@@ -125,8 +127,11 @@ class StreamLoader(DataLoader):
         return self.epoch_length
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return stop_together(self._batches()) if self.stop_together else self._batches()
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._raws is None:
-            self._raws = super().__iter__()
+            self._raws = from_workers(super().__iter__) if self.num_workers else super().__iter__()
         remaining = self.epoch_batches()
         to_batch = self.dataset.stream.to_batch
         while remaining is None or remaining > 0:

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import torch
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
-from datamodules.plan.loader import STOP
+from datamodules.plan.stopping import STOP
 from datamodules.speculative.generation_client import CircuitBreaker
 from datamodules.speculative.multipack import OverLong, PackedRows
 from datamodules.speculative.state_fetcher import Outcome, StateFetcher
@@ -121,7 +121,6 @@ class HiddenStateRows:
         self.details = {"rows": f"[{first}, {stop})", "total_seq_len": total_seq_len}
         self.bad_samples = BadSampleLog("hidden states of %s missing or invalid (%s): not trained on")
         self.breaker = CircuitBreaker(max_failures)
-        self.may_stop = max_failures is not None  # batches may carry STOP: the DataModule checks every rank
 
     def _pack(self) -> PackedRows:
         lengths = np.asarray(self.dataset.data.column("seq_len"), dtype=np.int64)[self.first : self.stop]

@@ -160,15 +160,21 @@ class StreamedUnits(DocumentUnits):
         if columns is not None and text_field not in columns:
             raise ValueError(f"{corpus.path} has no column {text_field!r}; columns are {columns}")
         self.num_shards = dataset.num_shards
+        self._dataset: Any = None  # loaded once per process: each load resolves the files again
 
     def __len__(self) -> int:
         return self.num_shards
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_dataset": None}
 
     def identity(self) -> list[str]:
         return ["streamed", self.text_field, *self.corpus.identity()]
 
     def blocks(self, unit: int, first_block: int, block_rows: int) -> Iterator[tuple[str, int, list[Any]]]:
-        shard = self.corpus.part(unit, self.num_shards).load().skip(first_block * block_rows)
+        if self._dataset is None:
+            self._dataset = self.corpus.load()
+        shard = self._dataset.shard(num_shards=self.num_shards, index=unit).skip(first_block * block_rows)
         # ``iter``, not ``__iter__``: inside a DataLoader worker, datasets' ``__iter__`` would split
         # the shard again among the workers (this reader's worker would get none of it).
         batches = shard.select_columns([self.text_field]).iter(batch_size=block_rows)

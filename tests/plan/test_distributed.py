@@ -49,6 +49,8 @@ def train(
     every_n_steps: int | None = None,
     resume: Path | None = None,
     storage_options: dict | None = None,
+    kill_worker: str | None = None,
+    failing_ranks: int = 0,
 ) -> Run:
     """Fit ``RecordingModel`` with every data-loading flag of the Trainer at its default."""
     args = ["--storage-options", json.dumps(storage_options)] if storage_options else []
@@ -63,7 +65,9 @@ def train(
     if resume is not None:
         assert resume.is_file(), f"no checkpoint {resume}"
         args += ["--resume", str(resume)]
-    return train_record(args, root, num_nodes=num_nodes)
+    if kill_worker is not None:
+        args += ["--kill-worker", kill_worker]
+    return train_record(args, root, num_nodes=num_nodes, failing_ranks=failing_ranks)
 
 
 def windows(record: dict) -> list[int]:
@@ -188,6 +192,22 @@ def test_ddp_resume_with_workers_is_exact(ddp_reference: Run, shards: Path, tmp_
         reference = ddp_reference.records(rank)
         assert before == reference[:k], f"rank {rank}: 2 workers changed the order before any resume"
         assert before + resumed.records(rank) == reference, f"rank {rank} diverged after the resume"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_killed_by_sigkill_stops_every_ddp_rank_with_one_message_and_none_hangs(
+    shards: Path, tmp_path: Path, rank: int
+) -> None:
+    # As the kernel's out-of-memory killer does, after step 3's batch; the rank notices at its next batch.
+    run = train(
+        shards, tmp_path, devices=2, strategy="ddp", max_steps=20, workers=2, kill_worker=f"{rank}:3", failing_ranks=2
+    )
+    for r in (0, 1):
+        error = run.error(r)
+        stopped = f"RuntimeError: TokenShardDataModule: training stopped on every rank by rank(s) [{rank}]"
+        assert error.startswith(stopped)
+        assert "DataLoader worker (pid " in error and "was killed by SIGKILL" in error and "out-of-memory" in error
+    assert len(run.records(0)) == len(run.records(1)) < 20  # both stopped before the same batch
 
 
 def test_two_nodes_read_disjoint_windows_that_cover_the_epoch_once(shards: Path, tmp_path: Path) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import warnings
 from pathlib import Path
 
 import pytest
-from lightning.pytorch import seed_everything
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import TokenShardDataModule
+from datamodules.plan.stopping import WorkerDied
 from tests.support import RecordingModel, make_token_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 8, 4
@@ -154,3 +158,24 @@ def test_mid_epoch_resume_does_not_warn_that_the_loader_is_not_resumable(tmp_pat
         warnings.simplefilter("always")
         fit(shards, 6, 0, resume=checkpoint_at(tmp_path, 4))
     assert not [w for w in caught if "not resumable" in str(w.message)]
+
+
+class KillWorkerAfter(Callback):
+    """SIGKILLs one DataLoader worker after ``step``'s batch, as the kernel's out-of-memory killer does."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            os.kill(multiprocessing.active_children()[-1].pid, signal.SIGKILL)
+
+
+def test_a_worker_killed_by_sigkill_ends_fit_at_the_loader_naming_it_and_the_likely_cause(shards: Path) -> None:
+    dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=2)
+    trainer = quiet_trainer(max_steps=TOTAL_STEPS, callbacks=[KillWorkerAfter(3)])
+    with pytest.raises(WorkerDied, match=r"DataLoader worker \(pid \d+\) was killed by SIGKILL.*out-of-memory") as e:
+        trainer.fit(RecordingModel(), datamodule=dm)
+    # Raised where the next batch is fetched, not from torch's signal handler mid backward.
+    assert "from_workers" in [frame.name for frame in e.traceback]
+    assert "backward" not in [frame.name for frame in e.traceback]

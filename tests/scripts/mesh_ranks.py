@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
 
     batches = []
     for batch in loader:
-        batches.append(batch)
+        batches.append(datamodule.on_after_batch_transfer(batch, 0))  # as fit does: the ranks' stop vote
         if len(batches) == args.batches:
             break
     record = {

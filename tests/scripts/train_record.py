@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -90,6 +92,19 @@ class LoaderProbe(Callback):
         }
 
 
+class WorkerKiller(Callback):
+    """Kills one of this rank's DataLoader workers with SIGKILL (as the kernel's OOM killer does) at ``step``."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            workers = multiprocessing.active_children()
+            assert workers, "no DataLoader worker to kill"
+            os.kill(workers[-1].pid, signal.SIGKILL)
+
+
 class ErrorRecorder(Callback):
     """Writes the exception that ended ``fit`` on this rank to ``{path}.rank{r}``, as soon as it is raised."""
 
@@ -147,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--info", help="per-rank run facts as JSON: {info}.rank{r}")
     parser.add_argument("--every-n-steps", type=int, help="save a checkpoint every n training steps")
     parser.add_argument("--resume", help="checkpoint to resume from")
+    parser.add_argument("--kill-worker", help="RANK:STEP: SIGKILL one DataLoader worker of global rank RANK there")
     args = parser.parse_args(argv)
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
 
@@ -210,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[Callback] = [probe]
     if args.info:
         callbacks.append(ErrorRecorder(f"{args.info}.error"))
+    if args.kill_worker:
+        callbacks.append(WorkerKiller(*map(int, args.kill_worker.split(":"))))
     if args.phases:
         callbacks.append(PhaseScheduler(json.loads(args.phases)))
     if args.every_n_steps:

@@ -1,0 +1,171 @@
+"""A data error stops every rank at the same batch, each with the same message.
+
+One rank whose loader fails (a DataLoader worker killed by the kernel's out-of-memory killer, a read
+that spent its retries, a generation circuit breaker) cannot train its next batch. Raised there
+alone, the other ranks would wait for it in the next gradient all-reduce: until NCCL's timeout, or
+until gloo notices the closed connection and says only that. So, with more than one rank, a loader
+never raises: ``stop_together`` turns the failure into a stop marker in place of the batch it could
+not make, and tells the batch before it (one batch of look-ahead). ``RankVote`` makes the ranks agree
+on it at every batch with one small asynchronous all-reduce on a CPU (gloo) group, waited for one
+batch later, when it is long done: so the vote adds no wait to a step, and every rank raises
+before the same batch, with every stopping rank's message.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# A batch holding this key asks to stop training: a message (a source's own, on one rank), or a
+# ``Stop`` (every batch of a loader with ``stop_together``, on several ranks).
+STOP = "stop_training"
+
+
+class Stop:
+    """What a batch of a loader with ``stop_together`` tells the vote (a plain object: Lightning moves
+    batches to the device through dataclasses, not through this)."""
+
+    __slots__ = ("here", "error", "ahead", "first")
+
+    def __init__(self, here: str | None = None, error: BaseException | None = None) -> None:
+        self.here = here  # why this batch cannot be trained
+        self.error = error  # the failure behind ``here``, chained on this rank
+        self.ahead: Stop | None = None  # the next batch's
+        self.first = False  # the first batch of a loader's iteration: its vote is taken at once
+
+
+class WorkerDied(RuntimeError):
+    """A DataLoader worker process ended without finishing its batch; says which, and the likely cause."""
+
+
+def _worker_death(text: str) -> WorkerDied:
+    """Torch's message for a dead worker, made to say what most likely happened."""
+    pid = re.search(r"\(pid\(?s?\)? ([^)]+)\)", text)
+    worker = f"DataLoader worker (pid {pid.group(1)})" if pid else "a DataLoader worker"
+    if re.search(r"killed by signal: Killed\.?$", text.strip()):
+        return WorkerDied(
+            f"{worker} was killed by SIGKILL. A SIGKILL no one sent is most often the kernel's out-of-memory "
+            "killer (see `dmesg` or the job's memory limit): lower num_workers, prefetch_factor or batch_size, "
+            "or give the job more memory"
+        )
+    return WorkerDied(f"{text.strip()}: it ended without finishing its batch (a crash in native code, or a kill)")
+
+
+_deaths: list[str] = []  # torch's messages for workers of this process that died, oldest first
+
+
+def _recording(previous: Any) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            previous(signum, frame)
+        except RuntimeError as error:  # torch's handler: a DataLoader worker died
+            _deaths.append(str(error))
+
+    handler.records_worker_deaths = True  # type: ignore[attr-defined]
+    return handler
+
+
+def from_workers(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The items of a worker DataLoader's iterator (``start()``: it starts or, persistent, resumes its
+    workers); a worker's death raises ``WorkerDied`` here, at the next item, rather than from wherever
+    the main thread happened to be when torch's SIGCHLD handler ran (mid backward, between collectives)."""
+    try:
+        items = start()
+        # torch installs its handler as it first starts workers: from then on, it records instead.
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGCHLD)
+            if callable(previous) and not getattr(previous, "records_worker_deaths", False):
+                signal.signal(signal.SIGCHLD, _recording(previous))
+        for item in items:
+            if _deaths:
+                raise RuntimeError(_deaths[0])
+            yield item
+    except RuntimeError as error:
+        if not (_deaths or str(error).startswith("DataLoader worker (pid")):
+            raise
+        text = _deaths[0] if _deaths else str(error)
+        _deaths.clear()
+        raise _worker_death(text) from error
+
+
+def stop_together(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``batches``, each holding a ``Stop`` under ``STOP``; a failure ends them with a marker batch,
+    ``{STOP: Stop(here=...)}``, whose reason the batch before it carries too (``Stop.ahead``)."""
+    first, previous = True, None
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        except Exception as error:  # a rank's data error: stop every rank, not this one alone
+            reason = str(error) if isinstance(error, WorkerDied) else f"{type(error).__name__}: {error}"
+            batch = {STOP: Stop(reason, error)}
+        message = batch.pop(STOP, None)
+        stop = message if isinstance(message, Stop) else Stop(message)
+        stop.first, first = first, False
+        batch[STOP] = stop
+        if previous is not None:
+            previous[STOP].ahead = stop
+            yield previous
+        if stop.error is not None:
+            yield batch
+            return
+        previous = batch
+    if previous is not None:
+        yield previous
+
+
+class RankVote:
+    """Every rank raises before the same batch when any rank's batch cannot be trained.
+
+    ``check`` runs on every rank for every batch (``on_after_batch_transfer``), so the ranks take
+    the same votes in the same order.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._group: Any = None
+        self._pending: tuple[Any, torch.Tensor, str | None, BaseException | None] | None = None
+
+    def check(self, stop: Stop | str | None) -> None:
+        if not isinstance(stop, Stop):  # one rank: stop now
+            if stop is not None:
+                raise RuntimeError(f"{self.owner}: training stopped on every rank by rank(s) [0]: {stop}")
+            return
+        if self._pending is not None:
+            self._settle(*self._pending)
+            self._pending = None
+        if stop.first:
+            self._settle(*self._vote(stop.here, stop.error))
+        elif stop.here is not None:  # the previous batch's vote missed it: cannot happen with stop_together
+            raise RuntimeError(f"{self.owner}: training stopped on this rank: {stop.here}") from stop.error
+        ahead = stop.ahead or Stop()
+        self._pending = self._vote(ahead.here, ahead.error, wait=False)
+
+    def _vote(
+        self, message: str | None, error: BaseException | None, wait: bool = True
+    ) -> tuple[Any, torch.Tensor, str | None, BaseException | None]:
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        flag = torch.tensor([int(message is not None)], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=not wait)
+        return work, flag, message, error
+
+    def _settle(self, work: Any, flag: torch.Tensor, message: str | None, error: BaseException | None) -> None:
+        if work is not None:
+            work.wait()
+        if not flag.item():
+            return
+        messages: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(messages, message, group=self._group)
+        ranks = [rank for rank, text in enumerate(messages) if text is not None]
+        reasons = (
+            "; ".join(f"rank {rank}: {messages[rank]}" for rank in ranks) if len(ranks) > 1 else messages[ranks[0]]
+        )
+        raise RuntimeError(f"{self.owner}: training stopped on every rank by rank(s) {ranks}: {reasons}") from error
