@@ -12,6 +12,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "ConversationDataModule": "datamodules.speculative.conversation_datamodule",
+    "ConversationSource": "datamodules.speculative.conversation_source",
     "GenerationServer": "datamodules.speculative.generation_client",
     "HFTextDataModule": "datamodules.text.hf_text",
     "HFTextSource": "datamodules.text.hf_text",
@@ -34,6 +36,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ConversationDataModule",
+    "ConversationSource",
     "GenerationServer",
     "HFTextDataModule",
     "HFTextSource",
@@ -60,6 +64,8 @@ if TYPE_CHECKING:
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+    from datamodules.speculative.conversation_datamodule import ConversationDataModule
+    from datamodules.speculative.conversation_source import ConversationSource
     from datamodules.speculative.generation_client import GenerationServer
     from datamodules.speculative.hidden_states_datamodule import HiddenStatesDataModule
     from datamodules.speculative.multipack import MultipackBatchSampler

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from datamodules.cli import main as cli_main
 from datamodules.text.prepare import prepare
+from examples.default_chats import write_default_chats
 from examples.default_conversations import build_default_conversations
 from examples.default_corpus import stdlib_sources, train_tokenizer, write_pydoc_topics
 from examples.default_images import build_default_images
@@ -27,7 +28,8 @@ WORKDIR = Path(".cache/quickstart")
 def build_inputs(workdir: Path) -> None:
     """What the configs name: token shards ``shards_stdlib`` and ``shards_pydoc``, the pydoc topic
     files and their tokenizer, the ``shapes`` pictures with their caption tokenizer, and the
-    ``moving_shapes`` clips with theirs, and the ``conversations`` with their verifier hidden states."""
+    ``moving_shapes`` clips with theirs, the ``conversations`` with their verifier hidden states, and the
+    ``chats.jsonl`` chat conversations."""
     corpus = {"stdlib": stdlib_sources(), "pydoc": write_pydoc_topics(workdir / "pydoc_topics")}
     log.info("default corpus: %s documents", {name: len(files) for name, files in corpus.items()})
     tokenizer = train_tokenizer([f for files in corpus.values() for f in files], workdir / "tokenizer")
@@ -36,6 +38,7 @@ def build_inputs(workdir: Path) -> None:
     build_default_images(workdir)
     build_default_videos(workdir)
     build_default_conversations(workdir, corpus["pydoc"], tokenizer)
+    write_default_chats(workdir / "chats.jsonl", corpus["pydoc"])
 
 
 def loss_curve(log_dir: str) -> list[float]:

@@ -47,7 +47,10 @@ class TinyCausalLM(LightningModule):
         self.model = LlamaForCausalLM(config)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids")).logits
+        # No cache: only then does transformers find packed documents from where the positions restart
+        # (with a cache, attention would cross from one document or conversation into the next).
+        positions = batch.get("position_ids")
+        return self.model(input_ids=batch["input_ids"], position_ids=positions, use_cache=False).logits
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = causal_lm_loss(self(batch), batch["labels"])

@@ -69,6 +69,9 @@ def batch_digest(batch: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha1()
     for key in sorted(batch):
         h.update(key.encode())
+        if not isinstance(batch[key], torch.Tensor):  # a count such as num_sequences
+            h.update(repr(batch[key]).encode())
+            continue
         value = batch[key].detach().cpu().contiguous()
         h.update((value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes())
     return h.hexdigest()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from datamodules.cli import main
+from examples.default_chats import write_default_chats
 from examples.default_conversations import build_default_conversations
 from examples.default_corpus import train_tokenizer
 from examples.default_images import build_default_images
@@ -35,10 +36,16 @@ def quickstart_inputs() -> None:
     build_default_images(Path(".cache/quickstart"), count=60)
     build_default_videos(Path(".cache/quickstart"), count=40)
     build_default_conversations(Path(".cache/quickstart"), sorted(topics.glob("*.txt")), tokenizer, count=60)
+    write_default_chats(Path(".cache/quickstart/chats.jsonl"), sorted(topics.glob("*.txt")), count=60)
 
 
 # Text configs train on 16-token sequences here; a vision sample keeps its prompt and placeholders.
-SHORTER = {"image_text": [], "video": [], "speculative": ["--data.init_args.total_seq_len=256"]}
+SHORTER = {
+    "image_text": [],
+    "video": [],
+    "speculative": ["--data.init_args.total_seq_len=256"],
+    "conversations": ["--data.init_args.total_seq_len=128", "--data.init_args.batch_size=2"],
+}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])

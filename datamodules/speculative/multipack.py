@@ -119,6 +119,8 @@ class PackedRows:
         length_quantum: lengths are rounded up to a multiple of this for packing (more samples
             trade places between passes; the rows lose at most ``quantum - 1`` tokens a sample);
             default ``total_seq_len // 2048``, at least 1.
+        max_length: the longest sample kept whole (``over_long`` applies past it), at most
+            ``total_seq_len`` (the default).
     """
 
     def __init__(
@@ -129,8 +131,12 @@ class PackedRows:
         seed: int = 0,
         over_long: OverLong = "truncate",
         length_quantum: int | None = None,
+        max_length: int | None = None,
     ) -> None:
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
+        self.max_length = total_seq_len if max_length is None else require_int("max_length", max_length, 1)
+        if self.max_length > total_seq_len:
+            raise ValueError(f"max_length={max_length} is longer than a row (total_seq_len={total_seq_len})")
         if over_long not in _OVER_LONG:
             raise ValueError(f"over_long must be one of {_OVER_LONG}, got {over_long!r}")
         quantum = max(1, total_seq_len // _QUANTA_PER_ROW) if length_quantum is None else length_quantum
@@ -144,21 +150,20 @@ class PackedRows:
             bad = np.flatnonzero(lengths < 1)
             raise ValueError(f"{len(bad)} samples have no tokens (length < 1), the first at index {int(bad[0])}")
         self.seed = seed
-        long = lengths > total_seq_len
+        long = lengths > self.max_length
         self.truncated = int(long.sum()) if over_long == "truncate" else 0
         self.dropped = int(long.sum()) if over_long == "drop" else 0
         self.kept = np.flatnonzero(~long) if over_long == "drop" else np.arange(len(lengths))
         if not len(self.kept):
-            raise ValueError(f"every sample is longer than total_seq_len={total_seq_len}: nothing left to pack")
-        self.lengths = np.minimum(lengths, total_seq_len)
+            raise ValueError(f"every sample is longer than {self.max_length} tokens: nothing left to pack")
+        self.lengths = np.minimum(lengths, self.max_length)
         capacity = total_seq_len // self.quantum
         self._units = np.minimum(-(-self.lengths[self.kept] // self.quantum), capacity)
         self._capacity = capacity
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.num_rows = len(self._pack(0)[1]) - 1
-        self.fingerprint = hashlib.blake2b(
-            self.lengths.tobytes() + repr((total_seq_len, self.quantum, over_long)).encode(), digest_size=16
-        ).hexdigest()
+        packing = (total_seq_len, self.quantum, over_long) + ((self.max_length,) if max_length is not None else ())
+        self.fingerprint = hashlib.blake2b(self.lengths.tobytes() + repr(packing).encode(), digest_size=16).hexdigest()
 
     def __len__(self) -> int:
         return self.num_rows

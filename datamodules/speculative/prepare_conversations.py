@@ -35,8 +35,9 @@ class ConversationError(ValueError):
     """A conversation, input or setting that cannot be prepared, named in one line."""
 
 
-def messages_of(row: dict[str, Any]) -> list[dict[str, str]]:
-    """A row's turns as ``[{role, content}]``, from either format; roles mapped to user/assistant/system."""
+def messages_of(row: dict[str, Any], system_prompt: str | None = None) -> list[dict[str, str]]:
+    """A row's turns as ``[{role, content}]``, from either format; roles mapped to user/assistant/system;
+    ``system_prompt`` opens a conversation that has no system turn."""
     if row.get("messages") is not None:
         turns, role_key, text_key = row["messages"], "role", "content"
     elif row.get("conversations") is not None:
@@ -49,6 +50,8 @@ def messages_of(row: dict[str, Any]) -> list[dict[str, str]]:
         if role is None:
             raise ConversationError(f"unknown role {turn.get(role_key)!r}; accepted: {sorted(ROLES)}")
         messages.append({"role": role, "content": turn.get(text_key) or ""})
+    if system_prompt is not None and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
 
 
@@ -95,12 +98,14 @@ class ConversationTokenizer:
         return list(encoded["input_ids"]), mask
 
 
-def _tokenize(batch: dict[str, list], tokenizer: ConversationTokenizer, max_len: int | None) -> dict[str, list]:
+def _tokenize(
+    batch: dict[str, list], tokenizer: ConversationTokenizer, max_len: int | None, system_prompt: str | None
+) -> dict[str, list]:
     """The rows of a batch of conversations; one without an assistant token (after truncation) is left out."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "truncated": []}
     for row in rows:
-        ids, mask = tokenizer(messages_of(row))
+        ids, mask = tokenizer(messages_of(row, system_prompt))
         if not any(mask[:max_len]):
             continue
         out["truncated"].append(max_len is not None and len(ids) > max_len)
@@ -111,7 +116,7 @@ def _tokenize(batch: dict[str, list], tokenizer: ConversationTokenizer, max_len:
     return out
 
 
-def _fingerprint(inputs: Sequence[str], tokenizer: str, template: str, max_len: int | None) -> str:
+def _fingerprint(inputs: Sequence[str], tokenizer: str, template: str, max_len: int | None, **more: Any) -> str:
     stamps = []
     for name in inputs:
         path = Path(name)
@@ -119,17 +124,21 @@ def _fingerprint(inputs: Sequence[str], tokenizer: str, template: str, max_len: 
         stamps += [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" if p.exists() else str(p) for p in files]
     identity = {"version": FORMAT_VERSION, "inputs": stamps, "tokenizer": tokenizer, "template": template}
     identity["max_len"] = max_len
+    identity.update({k: v for k, v in more.items() if v is not None})  # set options only: old keys stay valid
     return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
-def _load(inputs: Sequence[str]) -> list[Any]:
-    """The conversations: one ``save_to_disk`` folder or hub name, or JSON / JSON-lines / parquet files,
-    each loaded on its own (files in the two formats have different columns)."""
+def _load(inputs: Sequence[str], split: str | None = None) -> list[Any]:
+    """The conversations: one ``save_to_disk`` folder or hub name (its ``split``; ``None``: a folder's
+    one dataset, a hub dataset's ``train``), or JSON / JSON-lines / parquet files, each loaded on its
+    own (files in the two formats have different columns)."""
     if len(inputs) == 1 and not Path(inputs[0]).is_file() and Path(inputs[0]).suffix not in BUILDERS:
-        return [load_split(inputs[0], None, error=ConversationError)]
+        return [load_split(inputs[0], split, error=ConversationError)]
+    if split is not None:
+        raise ConversationError(f"split {split!r} names a split of a hub dataset or saved DatasetDict, not of files")
     for name in inputs:
         if not Path(name).is_file():
             raise ConversationError(f"no such input file {name!r}")
@@ -146,6 +155,8 @@ def prepare_conversations(
     num_proc: int = 1,
     chat_template: str | None = None,
     overwrite: bool = False,
+    split: str | None = None,
+    system_prompt: str | None = None,
 ) -> dict[str, int]:
     """Render, tokenize and mask ``inputs`` into the ``save_to_disk`` folder ``output``.
 
@@ -157,6 +168,8 @@ def prepare_conversations(
         num_proc: tokenizer processes (``datasets.map``).
         chat_template: a Jinja chat template replacing the tokenizer's.
         overwrite: replace an ``output`` prepared from other inputs or settings instead of refusing.
+        split: the split of a hub dataset or saved ``DatasetDict`` (default: a folder's one dataset).
+        system_prompt: a system turn opening every conversation that has none.
 
     Returns ``{"conversations": kept, "dropped_no_assistant": ..., "truncated": ..., "tokens": ...}``.
     """
@@ -165,7 +178,8 @@ def prepare_conversations(
         require_int("max_len", max_len, 1)
     require_int("num_proc", num_proc, 1)
     conversation_tokenizer = ConversationTokenizer(tokenizer, chat_template)
-    fingerprint = _fingerprint(inputs, tokenizer, conversation_tokenizer.tokenizer.chat_template, max_len)
+    template = conversation_tokenizer.tokenizer.chat_template
+    fingerprint = _fingerprint(inputs, tokenizer, template, max_len, split=split, system_prompt=system_prompt)
     target = Path(output)
     manifest = target / MANIFEST
     if manifest.is_file():
@@ -178,7 +192,7 @@ def prepare_conversations(
                                     "pass --overwrite to replace them")  # fmt: skip
     elif target.exists() and any(target.iterdir()) and not overwrite:
         raise ConversationError(f"{target} exists and was not written by prepare_conversations; pass --overwrite")
-    parts, sources = [], _load(inputs)
+    parts, sources = [], _load(inputs, split)
     for name, source in zip(inputs, sources, strict=True):
         columns = source.column_names
         if not {"messages", "conversations"} & set(columns):
@@ -191,7 +205,7 @@ def prepare_conversations(
                     batch_size=256,
                     num_proc=num_proc if num_proc > 1 else None,
                     remove_columns=columns,
-                    fn_kwargs={"tokenizer": conversation_tokenizer, "max_len": max_len},
+                    fn_kwargs={"tokenizer": conversation_tokenizer, "max_len": max_len, "system_prompt": system_prompt},
                     desc=f"rendering {Path(name).name}",
                 )
             )
@@ -236,12 +250,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--chat-template", help="a file holding a Jinja chat template to use instead")
     parser.add_argument("--overwrite", action="store_true", help="replace an output prepared from other inputs")
+    parser.add_argument("--split", help="the split of a hub dataset or saved DatasetDict")
+    parser.add_argument("--system-prompt", help="a system turn for conversations that have none")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         prepare_conversations(
-            args.inputs, args.tokenizer, args.output, args.max_len, args.num_proc, template, args.overwrite
+            args.inputs,
+            args.tokenizer,
+            args.output,
+            args.max_len,
+            args.num_proc,
+            template,
+            args.overwrite,
+            args.split,
+            args.system_prompt,
         )
     except (ConversationError, OSError) as err:
         raise SystemExit(f"prepare_conversations: {one_line(err)}") from None

@@ -11,16 +11,11 @@ import torch
 
 from datamodules.plan.arguments import check_split_options, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
+from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.plan.remote_files import RemoteFiles
-from datamodules.vision.image_text_samples import (
-    HELD_OUT_NAMES,
-    ImageTextFields,
-    ImageTextSamples,
-    RowSplit,
-    held_out_rows,
-)
+from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs

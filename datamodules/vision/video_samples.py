@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.held_out import RowSplit
 from datamodules.plan.loader import IGNORE_INDEX
 from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.plan.storage import join_location
 from datamodules.vision.frame_sampling import FrameSampler
-from datamodules.vision.image_text_samples import RowSplit
 from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value

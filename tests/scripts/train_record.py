@@ -37,6 +37,7 @@ from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from datamodules import (  # noqa: E402
+    ConversationDataModule,
     HFTextDataModule,
     HiddenStatesDataModule,
     ImageTextDataModule,
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
+    data.add_argument("--conversations", help="a ShareGPT JSON-lines file (ConversationDataModule; --tokenizer)")
     data.add_argument("--hidden-states", help="a save_to_disk folder with hidden_states/ (HiddenStatesDataModule)")
     parser.add_argument("--val-fraction", type=float, default=0.0, help="with --image/video-folder: held out")
     parser.add_argument("--train-ratio", type=float, default=0.9, help="with --hidden-states")
@@ -206,6 +208,14 @@ def main(argv: list[str] | None = None) -> None:
             loading.update(on_missing="generate", server=server, on_generate="delete")
         datamodule = HiddenStatesDataModule(
             args.hidden_states, total_seq_len=loading.pop("seq_len"), train_ratio=args.train_ratio, **loading
+        )
+    elif args.conversations:
+        datamodule = ConversationDataModule(
+            args.conversations,
+            total_seq_len=loading.pop("seq_len"),
+            tokenizer=args.tokenizer,
+            cache_dir=args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0")),
+            **loading,
         )
     elif args.hf_json:
         cache_dir = args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))

@@ -12,62 +12,25 @@ from pathlib import Path
 
 import datasets
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from datamodules import HiddenStatesDataModule
 from datamodules.speculative.generate import generate_hidden_states
 from datamodules.speculative.prepare_conversations import ConversationError, main, prepare_conversations
 from examples.tiny_draft import TinyDraft
+from tests.speculative.chat_data import MARKED, PLAIN, SHAREGPT, by_hand, chat_tokenizer
 from tests.speculative.speculative_data import HIDDEN, tiny_verifier
 from tests.support import quiet_trainer
 
-MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-WORDS = "be brief hi there hello you how are fine thanks bye one two three four five six seven eight".split()
-PLAIN = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-MARKED = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
-    "<|end|>{% endgeneration %} {% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-SHAREGPT = [
-    [("system", "be brief"), ("human", "hi there"), ("gpt", "hello you"), ("human", "how are you"), ("gpt", "fine")],
-    [("gpt", "hello"), ("human", "hi"), ("gpt", "bye")],  # opens with an assistant turn
-    [("human", "hi"), ("gpt", "hello"), ("human", "bye")],  # ends with a user turn
-    [("human", "hi there")],  # no assistant turn: dropped
-]
 OPENAI = [
     [("user", "hi"), ("assistant", "one two three four five six seven eight")],  # truncated at 12 tokens
     [("system", "be brief"), ("user", "hi"), ("assistant", "fine thanks")],
 ]
-ROLE = {"human": "user", "gpt": "assistant"}
 
 
 @pytest.fixture(scope="module", params=["plain", "marked"])
 def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    vocab = {token: i for i, token in enumerate(["<unk>", *MARKERS, *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", additional_special_tokens=MARKERS)
-    fast.chat_template = PLAIN if request.param == "plain" else MARKED
     path = tmp_path_factory.mktemp(f"tokenizer_{request.param}")
-    fast.save_pretrained(path)
-    return str(path)
-
-
-def by_hand(turns: list[tuple[str, str]], tokenizer: str) -> tuple[list[int], list[int]]:
-    """Ids and mask of the rendering, turn by turn: an assistant turn's words and its <|end|> take loss."""
-    vocab = PreTrainedTokenizerFast.from_pretrained(tokenizer).get_vocab()
-    ids, mask = [], []
-    for role, text in turns:
-        role = ROLE.get(role, role)
-        words = [f"<|{role}|>", *text.split(), "<|end|>"]
-        ids += [vocab[w] for w in words]
-        mask += [0] + [int(role == "assistant")] * (len(words) - 1)
-    return ids, mask
+    return chat_tokenizer(path, PLAIN if request.param == "plain" else MARKED)
 
 
 @pytest.fixture(scope="module")

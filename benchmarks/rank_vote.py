@@ -1,0 +1,91 @@
+"""What the ranks' stop vote costs a step: ``RankVote.check`` on every batch, 2 gloo processes on CPU.
+
+On several ranks every batch carries a ``Stop`` and the DataModule's ``on_after_batch_transfer``
+votes on it (``datamodules/plan/stopping.py``): an asynchronous all-reduce of one int on a CPU group,
+waited for one batch later. Here each of 2 processes runs ``--batches`` iterations of a step-like
+loop (a matrix product, then a gradient-sized all-reduce on the default group, as DDP's backward
+does), with and without the vote, alternating rounds: microseconds per batch, and the vote's share
+of a step. ``python -m benchmarks.rank_vote [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.common import add_run_arguments, report, results_directory
+
+
+def _steps(batches: int, vote: bool) -> float:
+    from datamodules.plan.stopping import RankVote, Stop
+
+    voter = RankVote("bench")
+    weight, gradient = torch.randn(256, 256), torch.zeros(1 << 16)
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(batches):
+        if vote:
+            stop = Stop()
+            stop.first = i == 0
+            voter.check(stop)
+        weight @ weight  # noqa: B018 (the step's compute)
+        dist.all_reduce(gradient)  # the step's gradient all-reduce
+    dist.barrier()
+    return (time.perf_counter() - start) / batches * 1e6
+
+
+def _rank(rank: int, port: int, batches: int, rounds: int, results: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    timings: dict[str, list[float]] = {"without the vote": [], "with the vote": []}
+    _steps(min(batches, 200), True)  # warm-up: the vote's group is made on first use
+    for _ in range(rounds):
+        for name, vote in (("without the vote", False), ("with the vote", True)):
+            timings[name].append(_steps(batches, vote))
+    if rank == 0:
+        results.put({name: statistics.median(values) for name, values in timings.items()})
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_run_arguments(parser, data=False)
+    parser.add_argument("--batches", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    batches, rounds = (500, 2) if args.quick else (args.batches, args.rounds)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_rank, args=(r, port, batches, rounds, results)) for r in range(2)]
+    for process in processes:
+        process.start()
+    timings = results.get(timeout=600)
+    for process in processes:
+        process.join()
+    base, voted = timings["without the vote"], timings["with the vote"]
+    rows = [
+        {"loop": "step: 256x256 matmul + 256 KB gradient all-reduce", "us per batch": base},
+        {"loop": "the same step + RankVote.check", "us per batch": voted},
+        {"loop": "the vote's cost", "us per batch": voted - base, "of the step": (voted - base) / base},
+    ]
+    checks = {"the vote adds less than 5% to this (small, CPU) step": voted - base < 0.05 * base}
+    config = {"processes": 2, "backend": "gloo", "batches": batches, "rounds": rounds}
+    tables = {
+        "a step with and without the stop vote (medians over rounds)": (["loop", "us per batch", "of the step"], rows)
+    }
+    report("rank_vote", tables, config, checks, results_directory(args.results_dir, args.quick))
+
+
+if __name__ == "__main__":
+    main()

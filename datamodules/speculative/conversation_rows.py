@@ -1,0 +1,235 @@
+"""``ConversationRows``: tokenized conversations packed by multipack into rows of ``total_seq_len``
+tokens, a plan source (the plan's samples are the packed rows), with next-token labels on assistant
+tokens and the per-conversation positions, offsets and masks that keep packed conversations apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+
+from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.speculative.multipack import OverLong, PackedRows
+
+log = logging.getLogger(__name__)
+
+ATTENTION_MASKS = ("none", "block")
+Batch = dict[str, Any]
+
+
+def column_lengths(dataset: Any, column: str) -> np.ndarray:
+    """Lengths of a list column of a ``datasets.Dataset``, from Arrow's offsets (no row is read)."""
+    return np.asarray(pc.list_value_length(dataset.data.column(column)), dtype=np.int64)
+
+
+def most_per_row(lengths: np.ndarray, total_seq_len: int) -> int:
+    """The most samples of these lengths one row of ``total_seq_len`` tokens can hold (the shortest ones)."""
+    return max(1, int(np.searchsorted(np.cumsum(np.sort(lengths)), total_seq_len, side="right")))
+
+
+class ConversationRows:
+    """The conversations at dataset rows ``rows``, packed by multipack (``PackedRows``: best-fit
+    decreasing, afresh every pass) into rows of ``total_seq_len`` tokens.
+
+    A batch of ``B`` rows of ``T = total_seq_len`` tokens holds:
+
+    - ``input_ids`` ``[B, T]``: the conversations one after another, then padding (id 0);
+    - ``labels`` ``[B, T]``: at position ``t``, the token at ``t + 1`` when it belongs to the same
+      conversation and is an assistant token (``loss_mask`` 1; any token with ``train_on_prompt``),
+      else ``-100``: already shifted, never across a conversation's end;
+    - ``position_ids`` ``[B, T]``: restarting at 0 in every conversation (and in the padding);
+    - ``document_ids`` ``[B, T]``: the conversation's place in its row, ``-1`` on padding;
+    - ``cu_seqlens`` ``[B * (D + 1) + 1]`` int32: the offsets of the conversations (and of each row's
+      padding) in the ``B * T`` tokens flattened, as flash-attention's varlen kernels take them,
+      padded to a fixed length with the total; ``num_sequences`` (int) of them are real and
+      ``max_seqlen`` (int) is the longest; ``D`` is the most conversations a row can hold;
+    - with ``attention_mask="block"``, ``attention_mask`` ``[B, 1, T, T]`` bool: causal within each
+      conversation (and within the padding), for a model that takes neither positions nor offsets.
+
+    Args:
+        dataset: a ``datasets.Dataset`` with ``input_ids``, ``loss_mask`` and ``seq_len``.
+        rows: the dataset rows of this split.
+        total_seq_len: tokens per packed row.
+        max_length: the longest conversation kept whole (``over_long`` past it); default a row.
+        seed: the data-order seed (the packing of every pass follows it).
+        over_long: a longer conversation is ``"truncate"``-d or ``"drop"``-ped, and counted.
+        length_quantum: see ``PackedRows``.
+        train_on_prompt: labels on every next token of a conversation, not only the assistant's.
+        attention_mask: ``"none"`` (default) or ``"block"``.
+        name: the split, for messages.
+    """
+
+    uses_passes = True  # rows are packed afresh every pass over the data
+
+    def __init__(
+        self,
+        dataset: Any,
+        rows: np.ndarray,
+        *,
+        total_seq_len: int,
+        max_length: int | None = None,
+        seed: int = 0,
+        over_long: OverLong = "truncate",
+        length_quantum: int | None = None,
+        train_on_prompt: bool = False,
+        attention_mask: str = "none",
+        name: str = "train",
+    ) -> None:
+        self.dataset = dataset.with_format("arrow", columns=["input_ids", "loss_mask"])
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.total_seq_len = total_seq_len
+        self.train_on_prompt, self.attention_mask = train_on_prompt, attention_mask
+        self.name = name
+        self._packing = {
+            "total_seq_len": total_seq_len,
+            "seed": seed,
+            "over_long": over_long,
+            "length_quantum": length_quantum,
+            "max_length": max_length,
+        }
+        self.packed: PackedRows | None = self._pack()
+        if self.packed.truncated or self.packed.dropped:
+            how = "truncated to" if self.packed.truncated else "left out, longer than"
+            count = self.packed.truncated or self.packed.dropped
+            log.warning(
+                "%s: %d of %d conversations %s %d tokens", name, count, len(self.rows), how, self.packed.max_length
+            )
+        self.num_rows = len(self.packed)
+        self.most_per_row = most_per_row(self.packed.lengths[self.packed.kept], total_seq_len)
+        identity = (dataset._fingerprint, self.rows.tobytes(), self.packed.fingerprint, train_on_prompt)
+        self.fingerprint = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
+        self.details = {"conversations": len(self.rows), "total_seq_len": total_seq_len}
+
+    def _pack(self) -> PackedRows:
+        lengths = np.asarray(self.dataset.data.column("seq_len"), dtype=np.int64)[self.rows]
+        return PackedRows(lengths, **self._packing)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers re-pack from the memory-mapped ``seq_len`` column instead of receiving every length.
+        return {**self.__dict__, "packed": None}
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @classmethod
+    def join(cls, parts: list[ConversationRows]) -> JoinedRows:
+        return JoinedRows(parts)
+
+    def conversations(self, rows: list[int]) -> dict[int, dict[str, np.ndarray]]:
+        """``input_ids`` and ``loss_mask`` of dataset rows ``rows``: one Arrow read for them all, the
+        arrays views of its buffers (a per-row read through ``datasets`` costs ten times more)."""
+        table = self.dataset[rows]
+        columns = {}
+        for name in ("input_ids", "loss_mask"):
+            lists = table.column(name).combine_chunks()
+            columns[name] = (lists.offsets.to_numpy(), lists.values.to_numpy())
+        return {
+            row: {name: values[offsets[i] : offsets[i + 1]] for name, (offsets, values) in columns.items()}
+            for i, row in enumerate(rows)
+        }
+
+    def packed_rows(self, indices: np.ndarray, passes: np.ndarray) -> tuple[list[list[int]], dict[int, Batch]]:
+        """The dataset rows of each packed row ``indices[i]`` of pass ``passes[i]``, and their tokens
+        (cut to ``max_length``)."""
+        if self.packed is None:
+            self.packed = self._pack()
+        span = [
+            self.rows[self.packed.row(pass_, row)].tolist()
+            for row, pass_ in zip(indices.tolist(), passes.tolist(), strict=True)
+        ]
+        tokens = self.conversations([row for conversations in span for row in conversations])
+        limit = self.packed.max_length
+        return span, {row: {k: v[:limit] for k, v in ids.items()} for row, ids in tokens.items()}
+
+    def fetch(self, indices: np.ndarray, passes: np.ndarray) -> Batch:
+        return self.assemble(*self.packed_rows(indices, passes), self.most_per_row)
+
+    def assemble(self, span: list[list[Any]], tokens: dict[Any, Batch], most: int) -> Batch:
+        """The raw rows (numpy) of ``span``'s conversations; ``most``: conversations a row can hold."""
+        count, length = len(span), self.total_seq_len
+        raw = {
+            "input_ids": np.zeros((count, length), dtype=np.int64),
+            "loss_mask": np.zeros((count, length), dtype=np.uint8),
+            "position_ids": np.zeros((count, length), dtype=np.int64),
+            "document_ids": np.full((count, length), -1, dtype=np.int64),
+        }
+        sequences = np.full(count * (most + 1) + 1, count * length, dtype=np.int32)
+        sequences[0], at, longest = 0, 1, 0
+        for b, conversations in enumerate(span):
+            filled = 0
+            for document, row in enumerate(conversations):
+                ids = tokens[row]
+                n = len(ids["input_ids"])
+                raw["input_ids"][b, filled : filled + n] = ids["input_ids"][:n]
+                raw["loss_mask"][b, filled : filled + n] = ids["loss_mask"][:n]
+                raw["position_ids"][b, filled : filled + n] = np.arange(n)
+                raw["document_ids"][b, filled : filled + n] = document
+                filled += n
+                sequences[at], at, longest = b * length + filled, at + 1, max(longest, n)
+            if filled < length:  # the row's padding: one sequence of its own
+                raw["position_ids"][b, filled:] = np.arange(length - filled)
+                sequences[at], at, longest = (b + 1) * length, at + 1, max(longest, length - filled)
+        raw["cu_seqlens"], raw["num_sequences"], raw["max_seqlen"] = sequences, at - 1, longest
+        return raw
+
+    def to_batch(self, raw: Batch) -> Batch:
+        ids = torch.from_numpy(raw["input_ids"])
+        documents = torch.from_numpy(raw["document_ids"])
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        # Position t learns the token at t + 1 when both are in one conversation and it takes loss.
+        same = (documents[:, 1:] == documents[:, :-1]) & (documents[:, 1:] >= 0)
+        if not self.train_on_prompt:
+            same &= torch.from_numpy(raw["loss_mask"][:, 1:]).bool()
+        labels[:, :-1] = torch.where(same, ids[:, 1:], IGNORE_INDEX)
+        batch = {
+            "input_ids": ids,
+            "labels": labels,
+            "position_ids": torch.from_numpy(raw["position_ids"]),
+            "document_ids": documents,
+            "cu_seqlens": torch.from_numpy(raw["cu_seqlens"]),
+            "num_sequences": int(raw["num_sequences"]),
+            "max_seqlen": int(raw["max_seqlen"]),
+        }
+        if self.attention_mask == "block":
+            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+            # Padding is one block of its own (document -1), like its own sequence in ``cu_seqlens``.
+            batch["attention_mask"] = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+        return batch
+
+
+class JoinedRows:
+    """Several ``ConversationRows`` as one source, their rows one after another (a mixture's)."""
+
+    uses_passes = True
+
+    def __init__(self, parts: list[ConversationRows]) -> None:
+        kinds = {(p.total_seq_len, p.train_on_prompt, p.attention_mask) for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"mixed conversation sources need one total_seq_len and labelling, got {sorted(kinds)}")
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p) for p in parts])
+        self.fingerprint = "+".join(p.fingerprint for p in parts)
+        self.most_per_row = max(p.most_per_row for p in parts)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def fetch(self, indices: np.ndarray, passes: np.ndarray) -> Batch:
+        part_of = np.searchsorted(self.starts, indices, side="right") - 1
+        span: list[list[tuple[int, int]]] = [[] for _ in indices]
+        tokens: dict[tuple[int, int], Batch] = {}
+        for p in np.unique(part_of).tolist():
+            mine = np.flatnonzero(part_of == p)
+            rows, found = self.parts[p].packed_rows(indices[mine] - self.starts[p], passes[mine])
+            tokens.update({(p, row): value for row, value in found.items()})
+            for i, conversations in zip(mine.tolist(), rows, strict=True):
+                span[i] = [(p, row) for row in conversations]
+        return self.parts[0].assemble(span, tokens, self.most_per_row)
+
+    def to_batch(self, raw: Batch) -> Batch:
+        return self.parts[0].to_batch(raw)
