@@ -191,6 +191,12 @@ class PlanDataModule(LightningDataModule):
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
 
+    def teardown(self, stage: str) -> None:
+        self._vote.finish()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._vote.finish(failed=True)
+
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step over all data-parallel ranks: one block of the plan."""

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.stopping import from_workers, stop_together
+from datamodules.plan.worker_start import keep_inherited_memory_shared
 
 RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
@@ -202,6 +203,7 @@ class PlanDataLoader(DataLoader):
             prefetch_factor=prefetch_factor,
             multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
             in_order=in_order,
+            worker_init_fn=keep_inherited_memory_shared,
         )
         # Tensors are built here in the main process, so they are pinned here, on both paths; the
         # DataLoader's own pinning would only see the workers' numpy arrays.

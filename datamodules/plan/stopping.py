@@ -148,6 +148,13 @@ class RankVote:
         ahead = stop.ahead or Stop()
         self._pending = self._vote(ahead.here, ahead.error, wait=False)
 
+    def finish(self, failed: bool = False) -> None:
+        """The end of a run: wait for the last vote (every rank took it), so no collective is left
+        running as the process group goes; after a failure, drop it (a peer may be gone)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is not None and not failed:
+            pending[0].wait()
+
     def _vote(
         self, message: str | None, error: BaseException | None, wait: bool = True
     ) -> tuple[Any, torch.Tensor, str | None, BaseException | None]:

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from datamodules.plan.loader import keep_raw
 from datamodules.plan.stopping import from_workers, stop_together
+from datamodules.plan.worker_start import keep_inherited_memory_shared
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,12 @@ class StreamLoader(DataLoader):
         prefetch_factor: int | None = None,
     ) -> None:
         super().__init__(
-            dataset, batch_size=None, num_workers=num_workers, collate_fn=keep_raw, prefetch_factor=prefetch_factor
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=keep_raw,
+            prefetch_factor=prefetch_factor,
+            worker_init_fn=keep_inherited_memory_shared,
         )
         self.cursor, self.epoch_batches, self.pin_batches = cursor, epoch_batches, pin_memory
         self.epoch_length = epoch_length

@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.stopping import STOP
+from datamodules.speculative.conversation_rows import ConversationRows
 from datamodules.speculative.generation_client import CircuitBreaker
-from datamodules.speculative.multipack import OverLong, PackedRows
+from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import Outcome, StateFetcher
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,7 @@ NOISES = ("uniform", "gaussian")
 Batch = dict[str, torch.Tensor]
 
 
-def column_lengths(dataset: Any, column: str) -> np.ndarray:
-    """Lengths of a list column of a ``datasets.Dataset``, from Arrow's offsets (no row is read)."""
-    return np.asarray(pc.list_value_length(dataset.data.column(column)), dtype=np.int64)
-
-
-class HiddenStateRows:
+class HiddenStateRows(ConversationRows):
     """Rows ``[first, stop)`` of a tokenized dataset, packed by multipack, with hidden states from ``fetcher``.
 
     A row gives ``input_ids``, ``loss_mask``, ``position_ids`` (restarting in every conversation),
@@ -62,7 +57,6 @@ class HiddenStateRows:
         preprocess: called on every batch of rows before it leaves the loader (the EAGLE-3 shift).
     """
 
-    uses_passes = True  # rows are packed afresh every pass over the data
     uses_sample_keys = True  # noise draws from the row's plan key
     batches_per_message = 1  # a row of hidden states is worth a message of its own between processes;
     # more when fetches are slow and concurrent (``fetch_many`` spreads a message's conversations over threads)
@@ -87,27 +81,21 @@ class HiddenStateRows:
         preprocess: Callable[[Batch], Batch] | None = None,
         name: str = "train",
     ) -> None:
-        self.dataset = dataset.with_format("arrow", columns=["input_ids", "loss_mask"])
+        super().__init__(
+            dataset,
+            np.arange(first, stop),
+            total_seq_len=total_seq_len,
+            seed=seed,
+            over_long=over_long,
+            length_quantum=length_quantum,
+            name=name,
+        )
         self.first, self.stop = first, stop
         self.fetcher, self.store = fetcher, fetcher.store
-        self.total_seq_len = total_seq_len
         self.layers, self.hidden_size, self.dtype = fetcher.layers, fetcher.hidden_size, dtype
         self.batches_per_message = batches_per_message
         self.on_missing, self.noise, self.noise_std = on_missing, noise, noise_std
         self.preprocess = preprocess
-        self.name = name
-        self._packing = {
-            "total_seq_len": total_seq_len,
-            "seed": seed,
-            "over_long": over_long,
-            "length_quantum": length_quantum,
-        }
-        self.packed: PackedRows | None = self._pack()
-        if self.packed.truncated or self.packed.dropped:
-            how = "truncated to" if self.packed.truncated else "left out, longer than"
-            count = self.packed.truncated or self.packed.dropped
-            log.warning("%s: %d of %d conversations %s total_seq_len=%d", name, count, stop - first, how, total_seq_len)
-        self.num_rows = len(self.packed)
         identity = (
             dataset._fingerprint,
             first,
@@ -121,17 +109,6 @@ class HiddenStateRows:
         self.details = {"rows": f"[{first}, {stop})", "total_seq_len": total_seq_len}
         self.bad_samples = BadSampleLog("hidden states of %s missing or invalid (%s): not trained on")
         self.breaker = CircuitBreaker(max_failures)
-
-    def _pack(self) -> PackedRows:
-        lengths = np.asarray(self.dataset.data.column("seq_len"), dtype=np.int64)[self.first : self.stop]
-        return PackedRows(lengths, **self._packing)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Workers re-pack from the memory-mapped ``seq_len`` column instead of receiving every length.
-        return {**self.__dict__, "packed": None}
-
-    def __len__(self) -> int:
-        return self.num_rows
 
     @classmethod
     def join(cls, parts: list[HiddenStateRows]) -> HiddenStateRows:
@@ -159,19 +136,6 @@ class HiddenStateRows:
         return [
             self._assemble(span, extra["keys"], tokens, outcomes) for span, (_, extra) in zip(rows, calls, strict=True)
         ]
-
-    def conversations(self, rows: list[int]) -> dict[int, dict[str, np.ndarray]]:
-        """``input_ids`` and ``loss_mask`` of dataset rows ``rows``: one Arrow read for them all, the
-        arrays views of its buffers (a per-row read through ``datasets`` costs ten times more)."""
-        table = self.dataset[rows]
-        columns = {}
-        for name in ("input_ids", "loss_mask"):
-            lists = table.column(name).combine_chunks()
-            columns[name] = (lists.offsets.to_numpy(), lists.values.to_numpy())
-        return {
-            row: {name: values[offsets[i] : offsets[i + 1]] for name, (offsets, values) in columns.items()}
-            for i, row in enumerate(rows)
-        }
 
     def _usable(self, row: int, outcome: Outcome, skipped: list[tuple[str, str]]) -> bool:
         if outcome.states is not None:

@@ -19,8 +19,9 @@ from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.remote_files import RemoteFiles
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.worker_start import START_METHODS
+from datamodules.speculative.conversation_rows import column_lengths
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer
-from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows, column_lengths
+from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows
 from datamodules.speculative.hidden_states_store import STORES
 from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import ON_GENERATE, StateFetcher

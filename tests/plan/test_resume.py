@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import TokenShardDataModule
+from datamodules.plan.loader import PlanDataLoader, PlanDataset
+from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+from datamodules.plan.sampler import PlanSampler
 from datamodules.plan.stopping import WorkerDied
 from tests.support import RecordingModel, make_token_shards, quiet_trainer
 
@@ -179,3 +185,26 @@ def test_a_worker_killed_by_sigkill_ends_fit_at_the_loader_naming_it_and_the_lik
     # Raised where the next batch is fetched, not from torch's signal handler mid backward.
     assert "from_workers" in [frame.name for frame in e.traceback]
     assert "backward" not in [frame.name for frame in e.traceback]
+
+
+class FreezeCount:
+    """A source whose samples report how many objects the collector of the reading process has frozen."""
+
+    fingerprint = "freeze-count"
+
+    def __len__(self) -> int:
+        return 64
+
+    def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {"frozen": np.full(len(indices), gc.get_freeze_count())}
+
+    def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {"frozen": torch.from_numpy(raw["frozen"])}
+
+
+def test_workers_freeze_what_they_inherit_so_their_collections_keep_it_shared() -> None:
+    source = FreezeCount()
+    dataset = PlanDataset(source, SamplePlan((PlannedSource("train", len(source), source.fingerprint),), seed=0))
+    sampler = PlanSampler(dataset, batch_size=4, num_replicas=1, rank=0, num_batches=8, start_position=lambda: 0)
+    frozen = [int(b["frozen"].min()) for b in PlanDataLoader(dataset, sampler, num_workers=2)]
+    assert gc.get_freeze_count() == 0 and min(frozen) > 1000  # the parent's objects, frozen in each worker only

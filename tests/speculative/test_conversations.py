@@ -23,6 +23,7 @@ from tests.speculative.chat_data import (
     MARKED,
     MARKERS,
     PLAIN,
+    ROLE,
     SHAREGPT,
     WORDS,
     by_hand,
@@ -298,3 +299,31 @@ def test_a_tiny_llama_gives_the_same_loss_on_a_packed_row_as_on_its_conversation
     assert len(model.losses) == 4
     for packed, separate in model.losses:
         assert packed == pytest.approx(separate, rel=1e-5)
+
+
+def test_validation_and_test_splits_of_a_saved_datasetdict(tokenizer: str, tmp_path: Path) -> None:
+    import datasets
+
+    def split(chats: list) -> datasets.Dataset:
+        return datasets.Dataset.from_list(
+            [{"messages": [{"role": ROLE.get(r, r), "content": t} for r, t in c]} for c in chats]
+        )
+
+    parts = {"train": random_chats(30, seed=1, words=(1, 5)), "validation": random_chats(7, seed=2, words=(1, 5))}
+    parts["test"] = random_chats(5, seed=3, words=(1, 5))
+    datasets.DatasetDict({name: split(chats) for name, chats in parts.items()}).save_to_disk(str(tmp_path / "dict"))
+    dm = datamodule(str(tmp_path / "dict"), tokenizer, tmp_path / "cache", val_split="validation", test_split="test")
+    dm.setup("fit")
+
+    def held(loader) -> Counter:
+        return Counter(
+            tuple(ids) for b in loader for r in range(len(b["input_ids"])) for ids, _, _ in conversations_of(b, r)
+        )
+
+    expected = {name: Counter(tuple(by_hand(c, tokenizer)[0]) for c in chats) for name, chats in parts.items()}
+    assert held(dm.val_dataloader()) == expected["validation"]
+    assert held(dm.test_dataloader()) == expected["test"]
+    assert (
+        sum(held(epoch_batches(dm)).values()) <= len(parts["train"])
+        and not held(epoch_batches(dm)) & expected["validation"]
+    )
