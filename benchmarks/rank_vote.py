@@ -5,7 +5,9 @@ votes on it (``datamodules/plan/stopping.py``): an asynchronous all-reduce of on
 waited for one batch later. Here each of 2 processes runs ``--batches`` iterations of a step-like
 loop (a matrix product, then a gradient-sized all-reduce on the default group, as DDP's backward
 does), with and without the vote, alternating rounds: microseconds per batch, and the vote's share
-of a step. ``python -m benchmarks.rank_vote [--quick]``.
+of this small step. On 2 cores the vote's gloo thread competes with the 2 training processes for
+them; the goal is under 0.5 ms a batch (under 1% of a 50 ms GPU step).
+``python -m benchmarks.rank_vote [--quick]``.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def main() -> None:
         {"loop": "the same step + RankVote.check", "us per batch": voted},
         {"loop": "the vote's cost", "us per batch": voted - base, "of the step": (voted - base) / base},
     ]
-    checks = {"the vote adds less than 5% to this (small, CPU) step": voted - base < 0.05 * base}
+    # A GPU step takes 50 ms or more: under 0.5 ms a batch, the vote costs it under 1%.
+    checks = {"the vote costs under 0.5 ms a batch": voted - base < 500}
     config = {"processes": 2, "backend": "gloo", "batches": batches, "rounds": rounds}
     tables = {
         "a step with and without the stop vote (medians over rounds)": (["loop", "us per batch", "of the step"], rows)
