@@ -55,9 +55,9 @@ def quick_inputs(workdir: Path) -> None:
     for name in ("stdlib", "pydoc"):
         if not (workdir / f"shards_{name}").exists():
             prepare([str(t) for t in topics], workdir / f"shards_{name}", str(tokenizer))
-    build_default_images(workdir, count=100)
-    build_default_videos(workdir, count=40)
-    build_default_conversations(workdir, topics, tokenizer, count=100)
+    build_default_images(workdir, count=40)
+    build_default_videos(workdir, count=24)
+    build_default_conversations(workdir, topics, tokenizer, count=40)
 
 
 def tree_memory(root: int) -> tuple[float, float, float, int]:
@@ -144,10 +144,10 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: soak one source, print RESULT
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    scale = 0.1 if args.quick else args.scale
+    scale = 0.02 if args.quick else args.scale
     if args.one is not None:
         config, batches, overrides = SOURCES[args.one]
-        batches = max(200, int(batches * scale))
+        batches = max(100, int(batches * scale))
         print("RESULT " + json.dumps(soak_one(config, overrides, args.workdir, batches, max(1, batches // 100))))
         return
     with data_directory(args.data_dir) as directory:

@@ -44,16 +44,28 @@ class WorkerDied(RuntimeError):
     """A DataLoader worker process ended without finishing its batch; says which, and the likely cause."""
 
 
-def _worker_death(text: str) -> WorkerDied:
-    """Torch's message for a dead worker, made to say what most likely happened."""
+_OOM_HINT = (
+    "A SIGKILL no one sent is most often the kernel's out-of-memory killer (see `dmesg` or the job's memory "
+    "limit): lower num_workers, prefetch_factor or batch_size, or give the job more memory"
+)
+
+
+def _worker_death(text: str, workers: list[Any]) -> WorkerDied:
+    """What happened to a dead worker: its exit status where the process says (torch's own message
+    may only say it "exited unexpectedly"), else torch's words; with the likely cause of a SIGKILL."""
+    for worker in workers:
+        code = worker.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            hint = f" {_OOM_HINT}" if -code == signal.SIGKILL else ""
+            return WorkerDied(f"DataLoader worker (pid {worker.pid}) was killed by {name}.{hint}")
+        if code:
+            return WorkerDied(
+                f"DataLoader worker (pid {worker.pid}) exited with code {code} without finishing its batch"
+            )
     pid = re.search(r"\(pid\(?s?\)? ([^)]+)\)", text)
-    worker = f"DataLoader worker (pid {pid.group(1)})" if pid else "a DataLoader worker"
-    if re.search(r"killed by signal: Killed\.?$", text.strip()):
-        return WorkerDied(
-            f"{worker} was killed by SIGKILL. A SIGKILL no one sent is most often the kernel's out-of-memory "
-            "killer (see `dmesg` or the job's memory limit): lower num_workers, prefetch_factor or batch_size, "
-            "or give the job more memory"
-        )
+    if pid and re.search(r"killed by signal: Killed\.?$", text.strip()):
+        return WorkerDied(f"DataLoader worker (pid {pid.group(1)}) was killed by SIGKILL. {_OOM_HINT}")
     return WorkerDied(f"{text.strip()}: it ended without finishing its batch (a crash in native code, or a kill)")
 
 
@@ -71,8 +83,8 @@ def _recording(previous: Any) -> Any:
     return handler
 
 
-def from_workers(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """The items of a worker DataLoader's iterator (``start()``: it starts or, persistent, resumes its
+def from_workers(loader: Any, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The items of ``loader``'s worker iterator (``start()``: it starts or, persistent, resumes its
     workers); a worker's death raises ``WorkerDied`` here, at the next item, rather than from wherever
     the main thread happened to be when torch's SIGCHLD handler ran (mid backward, between collectives)."""
     try:
@@ -91,7 +103,7 @@ def from_workers(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
             raise
         text = _deaths[0] if _deaths else str(error)
         _deaths.clear()
-        raise _worker_death(text) from error
+        raise _worker_death(text, list(getattr(getattr(loader, "_iterator", None), "_workers", []))) from error
 
 
 def stop_together(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:

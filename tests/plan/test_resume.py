@@ -167,21 +167,33 @@ def test_mid_epoch_resume_does_not_warn_that_the_loader_is_not_resumable(tmp_pat
 
 
 class KillWorkerAfter(Callback):
-    """SIGKILLs one DataLoader worker after ``step``'s batch, as the kernel's out-of-memory killer does."""
+    """SIGKILLs one DataLoader worker after ``step``'s batch, as the kernel's out-of-memory killer does;
+    with ``quiet``, SIGCHLD is first reset to its default (another library took it over from torch)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, quiet: bool) -> None:
+        self.step, self.quiet = step, quiet
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.global_step == self.step:
+            if self.quiet:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.kill(multiprocessing.active_children()[-1].pid, signal.SIGKILL)
 
 
-def test_a_worker_killed_by_sigkill_ends_fit_at_the_loader_naming_it_and_the_likely_cause(shards: Path) -> None:
+@pytest.mark.parametrize("sigchld", ["torch's handler", "default"])
+def test_a_worker_killed_by_sigkill_ends_fit_at_the_loader_naming_it_and_the_likely_cause(
+    shards: Path, sigchld: str
+) -> None:
     dm = TokenShardDataModule(shards, seq_len=SEQ_LEN, batch_size=BATCH, num_workers=2)
-    trainer = quiet_trainer(max_steps=TOTAL_STEPS, callbacks=[KillWorkerAfter(3)])
-    with pytest.raises(WorkerDied, match=r"DataLoader worker \(pid \d+\) was killed by SIGKILL.*out-of-memory") as e:
-        trainer.fit(RecordingModel(), datamodule=dm)
+    trainer = quiet_trainer(max_steps=TOTAL_STEPS, callbacks=[KillWorkerAfter(3, quiet=sigchld == "default")])
+    handler = signal.getsignal(signal.SIGCHLD)
+    try:
+        with pytest.raises(
+            WorkerDied, match=r"DataLoader worker \(pid \d+\) was killed by SIGKILL.*out-of-memory"
+        ) as e:
+            trainer.fit(RecordingModel(), datamodule=dm)
+    finally:
+        signal.signal(signal.SIGCHLD, handler)
     # Raised where the next batch is fetched, not from torch's signal handler mid backward.
     assert "from_workers" in [frame.name for frame in e.traceback]
     assert "backward" not in [frame.name for frame in e.traceback]
