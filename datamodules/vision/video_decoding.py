@@ -68,14 +68,21 @@ def _seconds(value: Any, time_base: Any) -> float | None:
     return None if value is None or time_base is None else float(value * time_base)
 
 
-def _packet_times(container: Any, stream: Any) -> Iterator[tuple[float | None, bool]]:
+def _demuxed(container: Any, stream: Any) -> Iterator[Any]:
+    """``container.demux(stream)``, closed however the caller stops: PyAV's demux generator, dropped
+    unfinished, leaks its read buffer (about 0.27 KB each; ``benchmarks.soak`` saw the video loader
+    grow), while this Python generator runs its ``finally`` when dropped."""
     packets = container.demux(stream)
     try:
-        for packet in packets:
-            if packet.size:
-                yield _seconds(packet.pts, stream.time_base), bool(packet.is_keyframe)
+        yield from packets
     finally:
-        packets.close()  # dropped unfinished, PyAV's demux generator leaks (see ``FrameReader._frames``)
+        packets.close()
+
+
+def _packet_times(container: Any, stream: Any) -> Iterator[tuple[float | None, bool]]:
+    for packet in _demuxed(container, stream):
+        if packet.size:
+            yield _seconds(packet.pts, stream.time_base), bool(packet.is_keyframe)
 
 
 def _last_packet_time(container: Any, stream: Any) -> float | None:
@@ -236,16 +243,8 @@ class FrameReader:
     def _frames(self, at: float | None) -> Iterator[tuple[float, Any]]:
         """Decoded frames with their times, from the keyframe before ``at`` (``None``: the start)."""
         stream, at = self._seek(at)
-        packets = self.container.demux(stream)
-        try:
-            yield from self._decoded(stream, packets, at)
-        finally:
-            # PyAV's demux generator, dropped unfinished, leaks its read buffer (about 0.27 KB each:
-            # benchmarks.soak saw the video loader grow); closed, it frees it.
-            packets.close()
-
-    def _decoded(self, stream: Any, packets: Iterator[Any], at: float | None) -> Iterator[tuple[float, Any]]:
         context, time_base = stream.codec_context, stream.time_base
+        packets = _demuxed(self.container, stream)
         ahead: deque = deque()
         known: list[float] = []  # presentation times of the packets demuxed since the seek, sorted
         index, ended, flushed = 0, False, False
