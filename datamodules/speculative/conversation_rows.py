@@ -19,12 +19,31 @@ from datamodules.speculative.multipack import OverLong, PackedRows
 log = logging.getLogger(__name__)
 
 ATTENTION_MASKS = ("none", "block")
+COLUMNS = ("input_ids", "loss_mask", "seq_len")  # what prepare_conversations (and speculators) write
 Batch = dict[str, Any]
 
 
 def column_lengths(dataset: Any, column: str) -> np.ndarray:
     """Lengths of a list column of a ``datasets.Dataset``, from Arrow's offsets (no row is read)."""
     return np.asarray(pc.list_value_length(dataset.data.column(column)), dtype=np.int64)
+
+
+def checked_rows(dataset: Any, where: str) -> Any:
+    """``dataset`` if it holds ``COLUMNS`` and every row's ``input_ids`` and ``loss_mask`` are as long as
+    its ``seq_len`` (which the packing reads); else an error naming the first row that is not."""
+    missing = [c for c in COLUMNS if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{where} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")
+    seq_len = np.asarray(dataset.data.column("seq_len"), dtype=np.int64)
+    for column in ("input_ids", "loss_mask"):
+        lengths = column_lengths(dataset, column)
+        wrong = np.flatnonzero(lengths != seq_len)
+        if len(wrong):
+            raise ValueError(
+                f"{where}: row {int(wrong[0])} has seq_len {int(seq_len[wrong[0]])} but "
+                f"{int(lengths[wrong[0]])} {column} ({len(wrong)} such rows)"
+            )
+    return dataset
 
 
 def most_per_row(lengths: np.ndarray, total_seq_len: int) -> int:

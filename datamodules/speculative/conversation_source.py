@@ -17,10 +17,9 @@ from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import held_out_rows
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.speculative.conversation_rows import ATTENTION_MASKS, ConversationRows, column_lengths
+from datamodules.speculative.conversation_rows import ATTENTION_MASKS, COLUMNS, ConversationRows, checked_rows
 from datamodules.speculative.prepare_conversations import MANIFEST, prepare_conversations
 
-PREPARED = ("input_ids", "loss_mask", "seq_len")  # what prepare_conversations (and speculators) write
 OVER_LONG = ("truncate", "drop")
 
 
@@ -89,7 +88,7 @@ class ConversationSource(SourceSpec):
         if not self.prepared and self.tokenizer is None:
             raise ValueError(
                 f"data {self.data!r} holds conversations to render: give a tokenizer with a chat template "
-                f"(or a folder prepared with {', '.join(PREPARED)})"
+                f"(or a folder prepared with {', '.join(COLUMNS)})"
             )
         if self.tokenizer is not None:
             require_existing("tokenizer", self.tokenizer, only_if_local=True)
@@ -97,7 +96,7 @@ class ConversationSource(SourceSpec):
     @staticmethod
     def _is_prepared(name: str, split: str | None) -> bool:
         """Whether ``name`` is a ``save_to_disk`` folder of rows already prepared (memory-mapped: cheap)."""
-        return is_saved_dataset(name) and set(PREPARED) <= set(load_split(name, split).column_names)
+        return is_saved_dataset(name) and set(COLUMNS) <= set(load_split(name, split).column_names)
 
     def _template(self) -> str | None:
         if self.chat_template is not None and Path(self.chat_template).is_file():
@@ -131,14 +130,14 @@ class ConversationSource(SourceSpec):
 
     def _dataset(self, split: str | None) -> Any:
         if self.prepared:
-            return load_split(self.inputs[0], split)
+            return checked_rows(load_split(self.inputs[0], split), self.inputs[0])
         path = self.cache_path(split)
         if not (path / MANIFEST).is_file():
             raise FileNotFoundError(
                 f"no prepared conversations of {self.data!r} at {path}: prepare_data() has not run for these "
                 "inputs (Trainer.fit runs it), or cache_dir is not shared by this node's ranks"
             )
-        return load_split(str(path), None)
+        return checked_rows(load_split(str(path), None), str(path))
 
     def build(
         self, seq_len: int, pack_sequences: bool = True, on_rank_zero: RankZero | None = None
@@ -154,9 +153,6 @@ class ConversationSource(SourceSpec):
         }
 
         def rows(dataset: Any, picked: np.ndarray, name: str) -> ConversationRows:
-            wrong = np.flatnonzero(column_lengths(dataset, "input_ids") != column_lengths(dataset, "loss_mask"))
-            if len(wrong):
-                raise ValueError(f"{self.data}: row {int(wrong[0])} has input_ids and loss_mask of other lengths")
             return ConversationRows(dataset, np.sort(picked), name=name, **options)
 
         dataset = self._dataset(self.split)

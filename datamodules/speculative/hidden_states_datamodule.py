@@ -19,7 +19,7 @@ from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.remote_files import RemoteFiles
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.worker_start import START_METHODS
-from datamodules.speculative.conversation_rows import column_lengths
+from datamodules.speculative.conversation_rows import checked_rows
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer
 from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows
 from datamodules.speculative.hidden_states_store import STORES
@@ -27,7 +27,6 @@ from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import ON_GENERATE, StateFetcher
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COLUMNS = ("input_ids", "loss_mask", "seq_len")
 
 
 def require_ratio(train_ratio: float) -> float:
@@ -218,19 +217,7 @@ class HiddenStatesDataModule(PlanDataModule):
     def _load(self) -> Any:
         if not is_saved_dataset(self.data_dir, self.storage_options):
             raise ValueError(f"data_dir {self.data_dir!r} is not a folder written by datasets' save_to_disk")
-        dataset = load_split(self.data_dir, None, storage_options=self.storage_options)
-        missing = [c for c in COLUMNS if c not in dataset.column_names]
-        if missing:
-            raise ValueError(f"{self.data_dir} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")
-        seq_len = np.asarray(dataset.data.column("seq_len"), dtype=np.int64)
-        for column in ("input_ids", "loss_mask"):
-            wrong = np.flatnonzero(column_lengths(dataset, column) != seq_len)
-            if len(wrong):
-                raise ValueError(
-                    f"{self.data_dir}: row {int(wrong[0])} has seq_len {int(seq_len[wrong[0]])} but "
-                    f"{int(column_lengths(dataset, column)[wrong[0]])} {column} ({len(wrong)} such rows)"
-                )
-        return dataset
+        return checked_rows(load_split(self.data_dir, None, storage_options=self.storage_options), self.data_dir)
 
     def _state_shape(self, fetcher: StateFetcher, dataset: Any) -> tuple[int, int]:
         """``(L, H)`` of the first cached state (when generating: of row 0's, generated if need be);

@@ -327,3 +327,12 @@ def test_validation_and_test_splits_of_a_saved_datasetdict(tokenizer: str, tmp_p
         sum(held(epoch_batches(dm)).values()) <= len(parts["train"])
         and not held(epoch_batches(dm)) & expected["validation"]
     )
+
+
+def test_a_prepared_folder_whose_rows_disagree_with_seq_len_is_refused_naming_the_row(tmp_path: Path) -> None:
+    import datasets
+
+    rows = {"input_ids": [[5, 6, 7], [5, 6, 7, 8]], "loss_mask": [[0, 1, 1], [0, 1, 1]], "seq_len": [3, 4]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "prepared"))
+    with pytest.raises(ValueError, match=r"row 1 has seq_len 4 but 3 loss_mask \(1 such rows\)"):
+        ConversationDataModule(str(tmp_path / "prepared"), total_seq_len=ROW).setup("fit")
