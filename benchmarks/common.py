@@ -41,6 +41,24 @@ def result_of(command: list[str], timeout: float, env: dict[str, str] | None = N
     return {"error": (lines[-1] if lines else f"exit code {done.returncode}")[:300]}
 
 
+def memory_kb(pid: int) -> dict[str, int]:
+    """The fields of ``/proc/<pid>/smaps_rollup`` (``Rss``, ``Pss``, ``Pss_Anon``, ``Pss_Shmem``, ...), in kB."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return {name: int(rest.split()[0]) for name, _, rest in (line.partition(":") for line in f) if rest.strip()}
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (``/proc/<pid>/task/*/children``)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found + [g for c in found for g in descendants(c)]
+
+
 def write_token_shards(directory: Path, num_tokens: int, num_shards: int, seed: int = 0) -> list[Path]:
     """``num_shards`` uint16 ``.npy`` shards of random token ids, ``num_tokens`` in all.
 

@@ -28,7 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, add_run_arguments, data_directory, report, result_of, results_directory
+from benchmarks.common import (
+    ROOT,
+    add_run_arguments,
+    data_directory,
+    descendants,
+    memory_kb,
+    report,
+    result_of,
+    results_directory,
+)
 
 # name: (config, batches in a full run, overrides)
 SOURCES = {
@@ -63,32 +72,15 @@ def quick_inputs(workdir: Path) -> None:
 def tree_memory(root: int) -> tuple[float, float, float, int]:
     """RSS, PSS and anonymous + shared-memory PSS (what the kernel cannot drop: page cache is not in
     it) in MB summed over ``root`` and its descendants, and how many processes that is."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    tree, frontier = {root}, [root]
-    while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier and pid not in tree]
-        tree.update(frontier)
+    tree = [root, *descendants(root)]
     rss = pss = held = 0
     for pid in tree:
         try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            fields = memory_kb(pid)
         except OSError:  # ended meanwhile
             continue
-        for line in rollup.splitlines():
-            key, _, value = line.partition(":")
-            if key == "Rss":
-                rss += int(value.split()[0])
-            elif key == "Pss":
-                pss += int(value.split()[0])
-            elif key in ("Pss_Anon", "Pss_Shmem"):
-                held += int(value.split()[0])
+        rss, pss = rss + fields["Rss"], pss + fields["Pss"]
+        held += fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)
     return rss / 1024, pss / 1024, held / 1024, len(tree)
 
 

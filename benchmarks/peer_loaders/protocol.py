@@ -3,7 +3,8 @@
 Each measurement runs in a fresh process, ``python -m benchmarks.peer_loaders.protocol '<json>'``,
 started by ``benchmarks/peers.py`` with the contender's own interpreter (Mosaic ``streaming`` lives
 in a virtual environment of its own, since its pins conflict with ours). So this file imports only
-numpy, torch and the standard library, and a contender module only those plus its own library.
+numpy, torch, the standard library and ``benchmarks.common`` (which needs no more), and a contender
+module only those plus its own library.
 
 A contender module (``benchmarks/peer_loaders/<name>.py``) defines:
 
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.common import descendants, memory_kb
 
 SOURCE_SPLIT = 25_000  # source0's token ids lie below this, source1's at or above it
 
@@ -119,35 +122,19 @@ class PeakMemory:
     @staticmethod
     def _read(pid: int) -> tuple[int, int]:
         """(RSS, PSS of anonymous and shared-memory pages) of ``pid``, in bytes."""
-        fields = {}
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("Rss", "Pss_Anon", "Pss_Shmem"):
-                    fields[name] = int(rest.split()[0]) * 1024
-        return fields.get("Rss", 0), fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)
-
-    @staticmethod
-    def _children(pid: int) -> list[int]:
-        found = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/children") as f:
-                    found += [int(c) for c in f.read().split()]
-            except OSError:
-                pass
-        return found + [g for c in found for g in PeakMemory._children(c)]
+        fields = memory_kb(pid)
+        return fields.get("Rss", 0) * 1024, (fields.get("Pss_Anon", 0) + fields.get("Pss_Shmem", 0)) * 1024
 
     def sample(self) -> None:
         try:
-            children = self._children(os.getpid())
+            children = descendants(os.getpid())
             rss, private = self._read(os.getpid())
             workers_rss = 0
             for child in children:
                 child_rss, child_private = self._read(child)
                 workers_rss += child_rss
                 private += child_private
-            if self._children(os.getpid()) != children:
+            if descendants(os.getpid()) != children:
                 return  # a fork or an exit between the reads: pages would be counted twice or not at all
         except OSError:  # a child exited since it was listed
             return
@@ -161,7 +148,7 @@ class PeakMemory:
 
     def __enter__(self) -> PeakMemory:
         # Child processes already there (another loader's workers) are not this loader's.
-        self._baseline = sum(self._read(pid)[1] for pid in [os.getpid(), *self._children(os.getpid())])
+        self._baseline = sum(self._read(pid)[1] for pid in [os.getpid(), *descendants(os.getpid())])
         self._thread.start()
         return self
 
