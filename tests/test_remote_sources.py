@@ -220,3 +220,38 @@ def test_generated_hidden_states_are_kept_in_and_deleted_from_a_bucket(endpoint:
     assert found is not None and all(torch.equal(found[key], states[key]) for key in states)
     store.delete(store.describe(3))
     assert store.lookup(3) is None
+
+
+def test_requests_other_than_ranged_reads_are_retried_within_the_same_budget(endpoint: str) -> None:
+    """HEADs, listings, PUTs and DELETEs of generated hidden states survive transient faults (the
+    client's own retries are off: ours are the only ones), and one that keeps failing is given up
+    after 5 attempts with a message naming the object."""
+    from datamodules.plan.remote_files import RemoteFiles
+    from datamodules.speculative.hidden_states_store import HiddenStateFiles
+
+    proxy = S3Proxy(endpoint)
+    try:
+        store = HiddenStateFiles(f"s3://{BUCKET}/faults/hidden_states", RemoteFiles(storage_options(proxy.url)))
+        states = {"hidden_states": torch.randn(5, 2, 4), "token_ids": torch.arange(5)}
+        proxy.other_faults = ["503", "reset"]
+        store.cache(3, states)  # the PUT: a 503, then a reset connection, then stored
+        assert not proxy.other_faults and proxy.puts == [f"/{BUCKET}/faults/hidden_states/hs_3.safetensors"] * 3
+        proxy.other_faults = ["reset", "503"]
+        found = store.lookup(3)  # the size (a HEAD), then the ranged read
+        assert found is not None and torch.equal(found["hidden_states"], states["hidden_states"])
+        proxy.other_faults = ["503"]
+        assert store.cached_indices() == [3]  # the listing
+        proxy.other_faults = ["503"]
+        store.delete(store.describe(3))
+        assert store.lookup(3) is None and not proxy.other_faults
+
+        store.cache(4, states)
+        proxy.reset_counts()
+        proxy.other_faults = ["503"] * 20
+        failed = r"reading the size of s3://media/faults/hidden_states/hs_4\.safetensors failed 5 times; last: "
+        with pytest.raises(OSError, match=failed + ".*(Unavailable|reduce your request rate)"):
+            store.lookup(4)
+        # Per attempt, a HEAD and at most s3fs's listing fallback.
+        assert proxy.methods["HEAD"] + proxy.methods["GET"] <= 5 * 2
+    finally:
+        proxy.close()

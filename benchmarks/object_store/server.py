@@ -68,7 +68,8 @@ class S3Proxy:
 
     ``delay``: seconds added before answering each request. ``faults``: spoil the next ranged GETs,
     one fault each, in order (``"503"``: S3's SlowDown; ``"reset"``: the connection closed without an
-    answer; ``"truncated"``: half the body, then closed). ``ranged_gets``, ``bytes_sent`` (bodies of
+    answer; ``"truncated"``: half the body, then closed); ``other_faults``: the same for the next other
+    requests (HEADs, listings, whole GETs, PUTs, DELETEs). ``ranged_gets``, ``bytes_sent`` (bodies of
     ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed;
     ``gets`` and ``get_bytes`` count every GET and its body, ranged or whole (a client that downloads
     whole objects sends no Range); ``puts`` lists the object path of every PUT, in order; ``methods``
@@ -78,6 +79,7 @@ class S3Proxy:
     def __init__(self, upstream: str, delay: float = 0.0) -> None:
         self.delay = delay
         self.faults: list[str] = []
+        self.other_faults: list[str] = []
         self.ranged_gets = 0
         self.bytes_sent = 0
         self.gets = 0
@@ -143,6 +145,8 @@ class S3Proxy:
                         proxy.ranged_gets += 1
                         proxy.requests.append((self.path.split("?")[0], self.headers["Range"]))
                         fault = proxy.faults.pop(0) if proxy.faults else None
+                    elif proxy.other_faults:
+                        fault = proxy.other_faults.pop(0)
                 if proxy.delay:
                     time.sleep(proxy.delay)
                 if fault == "503":
@@ -150,7 +154,8 @@ class S3Proxy:
                     self.send_response(503)
                     self.send_header("Content-Length", str(len(message)))
                     self.end_headers()
-                    self.wfile.write(message)
+                    if self.command != "HEAD":  # a HEAD's answer has no body
+                        self.wfile.write(message)
                     return
                 if fault == "reset":
                     self.close_connection = True

@@ -29,7 +29,6 @@ from datamodules.plan.storage import (
     RangeReader,
     describe_error,
     is_url,
-    process_filesystem,
     read_range,
     storage_path,
 )
@@ -102,21 +101,19 @@ class RemoteFiles:
         try:
             if not is_url(folder):
                 return os.listdir(folder)
-            return [
-                str(name)
-                for name in process_filesystem(str(folder), self.storage_options).ls(str(folder), detail=False)
-            ]
+            names = self._reader(str(folder)).request(f"listing {folder}", lambda fs: fs.ls(str(folder), detail=False))
+            return [str(name) for name in names]
         except FileNotFoundError:
             return []
 
     def write_bytes(self, url: str, data: bytes) -> None:
         """Store ``data`` as the object ``url`` (one PUT: readers see the old object or the new one)."""
-        process_filesystem(url, self.storage_options).pipe_file(url, data)
+        self._reader(url).request(f"writing {url}", lambda fs: fs.pipe_file(url, data))
 
     def delete(self, url: str) -> None:
         """Delete the object ``url``, if there is one."""
         with contextlib.suppress(FileNotFoundError):
-            process_filesystem(url, self.storage_options).rm_file(url)
+            self._reader(url).request(f"deleting {url}", lambda fs: fs.rm_file(url))
 
     def _reader(self, url: str) -> RangeReader:
         protocol = urlparse(url).scheme
@@ -128,7 +125,7 @@ class RemoteFiles:
     def _fetch(self, url: str) -> bytes:
         reader = self._reader(url)
         try:
-            size = reader.fs.size(url)
+            size = reader.request(f"reading the size of {url}", lambda fs: fs.size(url))
             return reader.read([url], [0], [size])[0] if size else b""
         except FileNotFoundError:
             raise FileNotFoundError(f"{url} does not exist") from None

@@ -17,9 +17,10 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import fsspec
@@ -29,6 +30,7 @@ from fsspec.utils import merge_offset_ranges
 log = logging.getLogger(__name__)
 
 LOCAL_PROTOCOLS = ("", "file", "local")
+T = TypeVar("T")
 LIST_AT_LEAST = 16  # objects of one folder whose sizes and ETags are read by listing it, not by HEADs
 
 
@@ -138,7 +140,8 @@ class RangeReader:
     At most ``io_threads`` requests are in flight at once. A range that fails (an error response, a
     reset connection, a short body) is requested again, up to ``attempts`` times in all, after an
     exponential backoff with jitter; then the read fails with one message naming the object. A
-    missing object or a refused permission is not retried.
+    missing object or a refused permission is not retried. Other requests (a HEAD, a listing, a PUT)
+    go through ``request``, with the same budget.
 
     Objects given to ``expect`` are checked against the size and ETag recorded then, whenever a read
     of one comes ``verify_every`` seconds or more after its last check (in this process, or before it,
@@ -182,7 +185,10 @@ class RangeReader:
     def _versions(self, paths: list[str]) -> list[tuple[int, str | None]]:
         """Size and ETag of each path: from a listing of its folder where ``LIST_AT_LEAST`` or more of
         the paths share it (one request per 1,000 objects on S3), else from one HEAD each, concurrent."""
-        fs = self.fs
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        return self.request(f"reading the size and ETag of {paths[0]}{more}", lambda fs: self._look_up(fs, paths))
+
+    def _look_up(self, fs: Any, paths: list[str]) -> list[tuple[int, str | None]]:
         keys = [fs._strip_protocol(path) for path in paths]
         by_folder: dict[str, int] = {}
         for key in keys:
@@ -202,6 +208,27 @@ class RangeReader:
         else:
             infos.update((key, fs.info(key)) for key in rest)
         return [object_version(infos[key]) for key in keys]
+
+    def request(self, what: str, call: Callable[[Any], T]) -> T:
+        """``call(fs)`` (a request other than a ranged read: a HEAD, a listing, a PUT, a DELETE), made
+        again on failure with the ranges' budget: ``attempts`` in all, the same backoff. A missing
+        object or a refused permission is raised at once."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call(self.fs)
+            except (FileNotFoundError, PermissionError):
+                raise
+            except Exception as err:  # noqa: BLE001 (the store's errors have no common base: retried, then named)
+                if attempt == self.attempts:
+                    raise OSError(f"{what} failed {self.attempts} times; last: {describe_error(err)}") from None
+                self.retries += 1
+                log.warning("retrying %s (attempt %d of %d): %s", what, attempt + 1, self.attempts, describe_error(err))
+                time.sleep(self._pause(attempt))
+        raise AssertionError("unreachable")
+
+    def _pause(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt``: exponential, jittered, capped."""
+        return min(10.0, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
 
     def _verify(self, paths: list[str]) -> None:
         now = time.monotonic()
@@ -269,7 +296,7 @@ class RangeReader:
                 path,
                 what,
             )
-            time.sleep(min(10.0, self.backoff * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
+            time.sleep(self._pause(attempt))
             pending = [i for i, _ in failed]
         raise AssertionError("unreachable")
 
