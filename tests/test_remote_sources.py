@@ -3,10 +3,13 @@ batches as from the same files on disk, with and without a node-local file cache
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -253,5 +256,71 @@ def test_requests_other_than_ranged_reads_are_retried_within_the_same_budget(end
             store.lookup(4)
         # Per attempt, a HEAD and at most s3fs's listing fallback.
         assert proxy.methods["HEAD"] + proxy.methods["GET"] <= 5 * 2
+    finally:
+        proxy.close()
+
+
+def noise_folder(root: Path, count: int, side: int) -> Path:
+    """An imagefolder of ``count`` PNGs of random noise (``side`` pixels square: incompressible, so
+    each is about ``3 * side**2`` bytes) with captions."""
+    from PIL import Image
+
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(root / f"{i:04d}.png")
+        rows.append({"file_name": f"{i:04d}.png", "text": f"caption of picture {i}"})
+    (root / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_from_the_resume_position(
+    tmp_path: Path, endpoint: str
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.support import RecordingModel, quiet_trainer
+    from tests.vision.webdataset_data import shards_of_folder
+
+    pytest.importorskip("webdataset")
+    tokenizer = tokenizer_for(tmp_path / "tok")
+    folder = noise_folder(tmp_path / "images", 12, side=128)  # about 49 KB a member
+    pattern = shards_of_folder(folder, tmp_path / "shards", per_shard=4)
+    shard_bytes = sum(p.stat().st_size for p in (tmp_path / "shards").iterdir())
+    url = upload(endpoint, tmp_path / "shards", "wds")
+    url_pattern = f"{url}/{Path(pattern).name}"
+    common = {**IMAGE_OPTIONS, "tokenizer": tokenizer, "batch_size": 2, "image_field": "png", "text_field": "txt"}
+    want = epochs(ImageTextDataModule("webdataset", data_files=pattern, **common,
+                                      load_kwargs={"cache_dir": str(tmp_path / "local-index")}))  # fmt: skip
+    proxy = S3Proxy(endpoint)
+    try:
+
+        def remote(**more: object) -> ImageTextDataModule:
+            options = {"storage_options": storage_options(proxy.url), "load_kwargs": {"cache_dir": str(tmp_path / "i")}}
+            return ImageTextDataModule("webdataset", data_files=url_pattern, **common, **options, **more)
+
+        dm = remote()
+        dm.prepare_data()  # the index: ranged reads of the headers only
+        assert 0 < proxy.bytes_sent < shard_bytes / 4, (proxy.bytes_sent, shard_bytes)
+        proxy.reset_counts()
+        same_batches(want, epochs(dm))  # the index read from the cache: no header read again
+        assert proxy.ranged_gets == 2 * 12  # one request a sample, each epoch
+
+        # Stopped at step 3 (6 samples), resumed to the epoch's end: only the later samples are fetched.
+        trainer = quiet_trainer(max_steps=3, callbacks=[ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3)])
+        trainer.fit(RecordingModel(), datamodule=remote())
+        proxy.reset_counts()
+        resumed = remote()
+        checkpoint = next((tmp_path / "ckpt").glob("*.ckpt"))
+        quiet_trainer(max_steps=6).fit(RecordingModel(), datamodule=resumed, ckpt_path=checkpoint)
+        rows = resumed._train.dataset
+        later = resumed.plan.locate(np.arange(6, 12))[1].tolist()  # the samples of positions 6 to 11
+
+        def span(row: int) -> tuple[str, str]:
+            where = urlparse(rows.locations[rows.shard_ids[row]])
+            return f"/{where.netloc}{where.path}", f"bytes={rows.starts[row]}-{rows.ends[row] - 1}"
+
+        assert sorted(proxy.requests) == sorted(map(span, later))  # one ranged read a sample, none before
     finally:
         proxy.close()

@@ -88,6 +88,8 @@ class ImageTextSamples:
 
     def describe(self, index: int) -> str:
         row = int(self.split.rows(np.array([index]))[0])
+        if hasattr(self.dataset, "describe"):  # tar shards: the sample's shard and key, without a read
+            return f"{self.name} sample {self.dataset.describe(row)}"
         value = self.dataset[row][self.fields.image]
         path = value.get("path") if isinstance(value, dict) else value if isinstance(value, str) else None
         return f"{self.name} row {row}" + (f" (image {path})" if path else "")
@@ -121,6 +123,8 @@ class ImageTextSamples:
 
     def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
         skipped: list[tuple[str, str]] = []
+        if hasattr(self.dataset, "prefetch"):  # tar shards: the micro-batch's members requested together
+            self.dataset.prefetch(self.split.rows(np.asarray(indices)).tolist())
         try:
             samples = [
                 sample_or_replacement(

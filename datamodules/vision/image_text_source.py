@@ -19,6 +19,7 @@ from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamp
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs
+from datamodules.vision.webdataset_rows import WEBDATASET, split_shards, webdataset_rows
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -37,7 +38,13 @@ class ImageTextSource(SourceSpec):
     Args:
         path: a ``save_to_disk`` folder, or ``datasets.load_dataset``'s ``path``: ``"imagefolder"``
             (with ``data_dir`` in ``load_kwargs``, or ``data_files``; captions in ``metadata.jsonl``),
-            ``"parquet"`` with ``data_files`` (an ``Image`` column), or a hub name.
+            ``"parquet"`` with ``data_files`` (an ``Image`` column), or a hub name; or
+            ``"webdataset"``: WebDataset tar shards named by ``data_files`` (brace patterns such as
+            ``s3://b/{00000..00099}.tar``, globs, a folder of ``.tar`` files, a list, or a dict by
+            split), read by member through an index kept in ``load_kwargs["cache_dir"]`` (default
+            ``~/.cache/datamodules/tar_index``); the fields are then member keys, alternatives
+            separated by ``;`` (``image_field="jpg;png;webp"``: the first the sample has) and
+            ``"json:NAME"`` for a value in the sample's ``.json`` (``text_field="json:caption"``).
         tokenizer: a ``transformers`` tokenizer name or path; default: the processor's.
         processor: a ``transformers`` VLM processor name or path: its image processor makes the
             pixels, its chat template the prompt, and it fixes the image-token count (see
@@ -104,7 +111,18 @@ class ImageTextSource(SourceSpec):
         self.path = str(self.path)
         self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
         check_policy(self.on_bad_sample)
-        check_data_files(self.path, self.data_files)
+        if self.path == WEBDATASET:
+            for split in (self.split, self.val_split, self.test_split):
+                if split is not None:
+                    split_shards(self.data_files, split)
+            unknown = sorted(set(self.load_kwargs) - {"cache_dir"})
+            if unknown or self.name is not None:
+                raise ValueError(
+                    f"path={WEBDATASET!r} takes data_files and load_kwargs={{'cache_dir': <the tar index cache>}} "
+                    f"only; got {'name' if self.name is not None else 'load_kwargs ' + str(unknown)}"
+                )
+        else:
+            check_data_files(self.path, self.data_files)
         for option in ("path", "tokenizer", "processor"):
             require_existing(option, getattr(self, option), only_if_local=True)
         if self.image_size is not None:
@@ -131,13 +149,21 @@ class ImageTextSource(SourceSpec):
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
 
     def _load(self, split: str) -> Any:
+        if self.path == WEBDATASET:
+            fields = {self.image_field: self.image_field, self.text_field: self.text_field}
+            if self.prompt_field is not None:
+                fields[self.prompt_field] = self.prompt_field
+            shards = split_shards(self.data_files, split)
+            cache = self.load_kwargs.get("cache_dir")
+            return webdataset_rows(shards, fields, (self.image_field,), cache, self.storage_options)
         return load_split(
             self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
         )
 
     def prepare(self) -> None:
-        # Loading once per node builds datasets' Arrow cache, which every rank then memory-maps.
-        if not is_saved_dataset(self.path, self.storage_options):
+        # Loading once per node builds datasets' Arrow cache (or the tar shards' index), which every
+        # rank then reads.
+        if self.path == WEBDATASET or not is_saved_dataset(self.path, self.storage_options):
             for split in (self.split, self.val_split, self.test_split):
                 if split is not None:
                     self._load(split)
@@ -146,6 +172,10 @@ class ImageTextSource(SourceSpec):
         import datasets
 
         dataset = self._load(split)
+        if self.path == WEBDATASET:
+            if len(dataset) == 0:
+                raise ValueError(f"the tar shards of split {split!r} hold no sample")
+            return dataset
         for column in (self.image_field, self.text_field, self.prompt_field):
             if column is not None and column not in dataset.column_names:
                 raise ValueError(

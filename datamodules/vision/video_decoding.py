@@ -19,6 +19,7 @@ frame rate needs nothing special.
 from __future__ import annotations
 
 import bisect
+import io
 import math
 import os
 from collections import deque
@@ -193,7 +194,7 @@ class FrameReader:
         path: str,
         info: ClipInfo,
         convert: Callable[[Any], np.ndarray],
-        files: RemoteFiles = LOCAL_FILES,
+        files: RemoteFiles | ClipBytes = LOCAL_FILES,
         accuracy: str = "exact",
     ) -> None:
         check_policy(accuracy, FRAME_ACCURACIES, "frame_accuracy")
@@ -329,11 +330,23 @@ class FrameReader:
         return out
 
 
-def open_clip(path: str, threads: int = 1, files: RemoteFiles = LOCAL_FILES) -> Any:
+class ClipBytes:
+    """A clip already read into memory (a tar shard's member), in place of the ``files`` that read a
+    path: every open, the first and any reopen, reads these bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def open(self, location: str) -> io.BytesIO:
+        return io.BytesIO(self.data)
+
+
+def open_clip(path: str, threads: int = 1, files: RemoteFiles | ClipBytes = LOCAL_FILES) -> Any:
     """An open PyAV container of ``path`` (a URL is opened through ``files``: its cached copy, or its
-    bytes in memory), or a ``BadSample`` saying why it cannot be read."""
+    bytes in memory; with ``ClipBytes``, ``path`` only names the clip), or a ``BadSample`` saying
+    why it cannot be read."""
     source: Any = path
-    if is_url(path):
+    if is_url(path) or isinstance(files, ClipBytes):
         try:
             source = files.open(path)
         except FileNotFoundError as err:
@@ -358,7 +371,7 @@ def read_frames(
     timestamps_for: Callable[[ClipInfo], np.ndarray],
     convert: Callable[[Any], np.ndarray],
     fallback_duration: float | None = None,
-    files: RemoteFiles = LOCAL_FILES,
+    files: RemoteFiles | ClipBytes = LOCAL_FILES,
     accuracy: str = "exact",
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """``(timestamps, frames)`` of a clip: ``timestamps_for(probe)`` chooses the seconds, each gets

@@ -3,7 +3,8 @@
 A layout is one registered class. It turns a manifest into a ``datasets.Dataset`` (memory-mapped
 Arrow: a 10M-row WebVid manifest costs no RAM per worker) with the columns every video source reads:
 ``video`` (a path under ``data_root``), ``text``, and optionally ``prompt`` and ``duration``
-(seconds, a fallback for clips whose container states none).
+(seconds, a fallback for clips whose container states none); or, for tar shards, ``WebDatasetRows``
+whose ``video`` is the clip's bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow.compute as pc
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
 from datamodules.plan.storage import is_url, join_location, storage_path
+from datamodules.vision.webdataset_rows import webdataset_rows
 
 VIDEO_LAYOUTS: dict[str, type[VideoLayout]] = {}
 _ISO_DURATION = re.compile(r"^P(?:T)?(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?$")
@@ -230,6 +232,44 @@ class HFLayout(VideoLayout):
             )
         dataset = self.load_manifest(str(path), str(split), self.config_name, self.data_files, **self.load_kwargs)
         return standard_columns(dataset, self.keys, f"{path}:{split}", self.name)
+
+
+class WebDatasetLayout(VideoLayout):
+    """WebDataset tar shards (as video2dataset writes them): each sample a clip and its caption, read
+    by member (``webdataset_rows``). The manifest names the shards, relative to ``data_root`` unless
+    absolute: a brace pattern (``{00000..00099}.tar``), a glob, or a list (default: every ``.tar``).
+
+    Args:
+        video_key: the clip's member, the first present of ``;``-separated choices.
+        text_key: the caption's member, or ``"json:NAME"`` for a value in the sample's ``.json``.
+        prompt_key: the prompt's, likewise (optional). index_cache_dir: where the shards' member
+            indexes are kept (default ``~/.cache/datamodules/tar_index``).
+    """
+
+    name = "webdataset"
+    default_manifest = "*.tar"
+
+    def __init__(
+        self,
+        data_root: str,
+        video_key: str = "mp4;webm;mkv;avi;mov",
+        text_key: str = "txt",
+        prompt_key: str | None = None,
+        index_cache_dir: str | None = None,
+    ) -> None:
+        super().__init__(data_root)
+        self.fields = {"video": video_key, "text": text_key, **({"prompt": prompt_key} if prompt_key else {})}
+        self.index_cache_dir = index_cache_dir
+
+    def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
+        shards = [join_location(self.data_root, m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
+        return webdataset_rows(shards, self.fields, ("video",), self.index_cache_dir, self.storage_options)
+
+    def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
+        rows = self.rows(manifest, train_manifest)  # the members lie inside the shards: no path to check
+        if len(rows) == 0:
+            raise ValueError(f"the tar shards {manifest} hold no sample")
+        return rows
 
 
 def video_layout(dataset_type: str, data_root: str, options: dict[str, Any]) -> VideoLayout:

@@ -18,7 +18,7 @@ from datamodules.vision.frame_sampling import FrameSampler
 from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
-from datamodules.vision.video_decoding import read_frames
+from datamodules.vision.video_decoding import ClipBytes, read_frames
 
 BROKEN_CLIP_POLICIES = ("mask", "raise")
 
@@ -87,15 +87,23 @@ class VideoSamples:
         picture = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
         return self.resize.resize(picture).numpy()
 
+    def _clip(self, row_index: int) -> tuple[dict[str, Any], str, RemoteFiles | ClipBytes]:
+        """The row, its clip's name, and what reads the clip: a path under ``data_root`` through
+        ``files``, or (tar shards) the member's bytes the row holds."""
+        row = self.dataset[row_index]
+        video = row["video"]
+        if isinstance(video, dict):
+            return row, video["path"], ClipBytes(video["bytes"])
+        return row, join_location(self.data_root, video), self.files
+
     def _read(self, index: int, key: int) -> dict[str, Any]:
         row_index = int(self.split.rows(np.array([index]))[0])
-        row = self.dataset[row_index]
-        path = join_location(self.data_root, row["video"])
         frames_shape = (self.sampler.max_frames, *self.pixels.shape)
         pixels = np.zeros(frames_shape, dtype=np.uint8)
         times = np.zeros(self.sampler.max_frames, dtype=np.float64)  # exact: the frame chosen is the nearest to it
         mask = np.zeros(self.sampler.max_frames, dtype=bool)
         try:
+            row, path, files = self._clip(row_index)
             prompt = text_value(row["prompt"], "prompt") if self._has["prompt"] else self.prompt
             text, bad = self.labels.encode([prompt], [text_value(row["text"], "text")])
             if bad:
@@ -106,11 +114,14 @@ class VideoSamples:
                 lambda info: self.sampler.timestamps(info.duration, info.frame_rate, key),
                 self._frame,
                 duration,
-                self.files,
+                files,
                 self.accuracy,
             )
         except BadSample as err:
-            where = f"{self.name} row {row_index} ({row['video']})"
+            if hasattr(self.dataset, "describe"):  # tar shards: the shard and the sample's key
+                where = f"{self.name} sample {self.dataset.describe(row_index)}"
+            else:
+                where = f"{self.name} row {row_index} ({self.dataset[row_index]['video']})"
             if self.on_broken_clip == "raise":
                 raise BadSample(f"{where}: {err} (on_broken_clip='mask' keeps such clips with no loss)") from None
             # The sample keeps its shape: an empty prompt and answer (real tokens, so attention has
@@ -127,6 +138,8 @@ class VideoSamples:
         return {**sample, "pixels": pixels, "timestamps": times, "frame_mask": mask, "broken": None}
 
     def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
+        if hasattr(self.dataset, "prefetch"):  # tar shards: the micro-batch's members requested together
+            self.dataset.prefetch(self.split.rows(np.asarray(indices)).tolist())
         try:
             samples = [
                 self._read(i, key)

@@ -30,9 +30,11 @@ class VideoSource(SourceSpec):
         tokenizer: a ``transformers`` tokenizer name or path.
         dataset_type: the layout (``VIDEO_LAYOUTS``): ``"webvid"`` (CSV partitions with
             ``videoid``, ``name``, optional ``duration``), ``"folder"`` (clips plus a captions
-            JSONL), ``"hf"`` (a HuggingFace dataset with a path column and a text column).
+            JSONL), ``"hf"`` (a HuggingFace dataset with a path column and a text column),
+            ``"webdataset"`` (tar shards of clips and captions, read by member).
         manifest: the layout's manifest: CSV file(s), the captions JSONL (default
-            ``captions.jsonl``), or the HuggingFace dataset; relative to ``data_root`` unless absolute.
+            ``captions.jsonl``), the HuggingFace dataset, or the tar shards (a brace pattern, a glob
+            or a list; default ``*.tar``); relative to ``data_root`` unless absolute.
         val_manifest: a validation manifest of the same kind (for ``"hf"``: a split name); or
         val_fraction: hold out this fraction of the clips, chosen by a fixed keyed shuffle.
         test_manifest, test_fraction: the same for the test split (``Trainer.test``).

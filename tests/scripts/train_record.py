@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
+    data.add_argument("--webdataset", help="tar shards, a brace pattern (ImageTextDataModule, path='webdataset')")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
     data.add_argument("--conversations", help="a ShareGPT JSON-lines file (ConversationDataModule; --tokenizer)")
     data.add_argument("--hidden-states", help="a save_to_disk folder with hidden_states/ (HiddenStatesDataModule)")
@@ -186,6 +187,20 @@ def main(argv: list[str] | None = None) -> None:
             num_image_tokens=2,
             image_size=8,
             load_kwargs={"data_dir": args.image_folder},
+            val_fraction=args.val_fraction,
+            **loading,
+        )
+    elif args.webdataset:
+        datamodule = ImageTextDataModule(
+            "webdataset",
+            tokenizer=args.tokenizer,
+            max_text_len=loading.pop("seq_len"),
+            num_image_tokens=2,
+            image_size=8,
+            data_files=args.webdataset,
+            image_field="jpg;png",
+            text_field="txt",
+            load_kwargs={"cache_dir": args.cache_dir},
             val_fraction=args.val_fraction,
             **loading,
         )

@@ -57,6 +57,11 @@ def image_folder(root: Path, count: int, bad: dict[int, bytes] | None = None, pr
     return root
 
 
+def metadata(folder: Path) -> list[dict]:
+    """The rows of ``folder``'s ``metadata.jsonl``."""
+    return [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+
+
 def truncated_jpeg() -> bytes:
     data = encoded(picture(0, (64, 48)), "JPEG")
     return data[: len(data) // 2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import datasets
@@ -18,7 +17,7 @@ from datamodules import ImageTextDataModule, ImageTextSource, MixtureComponent, 
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, BadSample, ResizeImage, read_image
 from datamodules.vision.prompt_labels import PromptAnswerLabels
 from tests.support import RecordingModel, quiet_trainer
-from tests.vision.image_data import BROKEN, caption, encoded, image_folder, tokenizer_for
+from tests.vision.image_data import BROKEN, caption, encoded, image_folder, metadata, tokenizer_for
 
 SIZE, TEXT_LEN, TOKENS = 16, 40, 4
 
@@ -46,10 +45,6 @@ def ready(dm: ImageTextDataModule) -> ImageTextDataModule:
     dm.prepare_data()
     dm.setup("fit")
     return dm
-
-
-def metadata(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
 
 
 def reference_pixels(path: Path, size: int = SIZE) -> torch.Tensor:

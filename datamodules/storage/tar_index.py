@@ -1,0 +1,330 @@
+"""Member indexes of tar shards (the WebDataset format): where each member's bytes lie, so a sample
+is one ranged read instead of a pass through the whole shard.
+
+A shard is indexed by walking its 512-byte headers with the standard library's ``tarfile``, seeking
+over the members' data: a local shard is read in place; a remote one through ranged reads of the
+headers only (``RangeReader``'s retries), whose size grows while the headers lie close together (a
+shard of small members then costs a few large requests, one of large members a small request per
+member). Indexes are kept in a node-local folder, one file per shard named by the shard's location,
+size and version (ETag, or mtime for a local file): a shard that changed is indexed again.
+
+Samples follow webdataset's convention: a member's key is its name up to the first dot of its last
+path component, its field the rest, lowercased (``a/b.c/x.seg.jpg``: key ``a/b.c/x``, field
+``seg.jpg``); consecutive members with one key form a sample; directories, links and webdataset's
+``__*__`` metadata members are not samples' members.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import re
+import tarfile
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from datamodules.plan.storage import RangeReader, is_url, process_filesystem
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1
+_KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
+_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
+_COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+_FIRST_READ, _MOST_READ = 8 << 10, 1 << 20
+
+
+def default_index_cache() -> str:
+    """``$XDG_CACHE_HOME/datamodules/tar_index`` (``~/.cache`` when unset)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "datamodules", "tar_index")
+
+
+def key_and_field(name: str) -> tuple[str, str] | None:
+    """``(key, field)`` of a member name by webdataset's rule; ``None`` for a name with no dot."""
+    match = _KEY_AND_FIELD.match(name)
+    return None if match is None else (match.group(1), match.group(2).lower())
+
+
+def compression_of(head: bytes) -> str | None:
+    """The compression whose magic number ``head`` starts with, if any."""
+    return next((kind for magic, kind in _COMPRESSIONS.items() if head.startswith(magic)), None)
+
+
+@dataclass
+class TarIndex:
+    """The regular members of one tar shard: ``names``, and where each one's data starts and how long
+    it is (``offsets``, ``sizes``); ``lost_bytes``: bytes after the last complete member of a
+    truncated or corrupt shard (0 for a whole one)."""
+
+    names: np.ndarray  # bytes: UTF-8 names, a byte a character (a str array takes four)
+    offsets: np.ndarray  # int64
+    sizes: np.ndarray  # int64
+    lost_bytes: int = 0
+
+    def samples(self) -> list[tuple[str, dict[str, int]]]:
+        """``(key, {field: member number})`` of each sample, in shard order (webdataset's grouping:
+        consecutive members sharing a key). A field repeated inside a sample keeps its first member."""
+        out: list[tuple[str, dict[str, int]]] = []
+        for number, name in enumerate(self.member_names()):
+            parts = key_and_field(name)
+            if parts is None:
+                continue
+            key, field = parts
+            if not out or out[-1][0] != key:
+                out.append((key, {}))
+            out[-1][1].setdefault(field, number)
+        return out
+
+    def member_names(self) -> list[str]:
+        return [name.decode("utf-8", errors="surrogateescape") for name in self.names.tolist()]
+
+    def save(self, path: Path) -> None:
+        """Written to a temporary name, then renamed: a reader sees the whole index or none."""
+        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        with partial.open("wb") as f:
+            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, lost=self.lost_bytes)
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path) -> TarIndex:
+        with np.load(path) as saved:
+            return cls(saved["names"], saved["offsets"], saved["sizes"], int(saved["lost"]))
+
+
+class _HeaderReads:
+    """A file of ``size`` bytes read through ``read(start, end)``, for ``tarfile``: each miss fetches
+    from the position on, ``_FIRST_READ`` bytes, doubling (up to ``_MOST_READ``) while misses land
+    within half a read of the previous one's end, so densely packed small members are read in few
+    requests and large ones cost one small request each."""
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int) -> None:
+        self._read, self.size = read, size
+        self._position = 0
+        self._start, self._data = 0, b""
+        self._length = _FIRST_READ
+        self.requests = self.bytes_read = 0
+
+    def seek(self, position: int, whence: int = os.SEEK_SET) -> int:
+        self._position = position + (self._position if whence == os.SEEK_CUR else 0)
+        if whence == os.SEEK_END:
+            self._position = self.size + position
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n < 0 else min(self.size, self._position + n)
+        if not self._start <= self._position <= end <= self._start + len(self._data):
+            near = bool(self._data) and 0 <= self._position - (self._start + len(self._data)) < self._length // 2
+            self._length = min(_MOST_READ, self._length * 2) if near else _FIRST_READ
+            self._start = self._position
+            stop = min(self.size, self._position + max(self._length, end - self._position))
+            self._data = self._read(self._position, stop)
+            self.requests += 1
+            self.bytes_read += len(self._data)
+        out = self._data[self._position - self._start : end - self._start]
+        self._position += len(out)
+        return out
+
+
+def walk_headers(fileobj: object, size: int, name: str) -> TarIndex:
+    """The index of the tar in ``fileobj`` (``size`` bytes), read header by header."""
+    names, offsets, sizes = [], [], []
+    stopped_at = None
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r:") as tar:  # type: ignore[call-overload]
+            for member in tar:
+                if member.offset_data + member.size > size:  # its data runs past the end
+                    stopped_at = member.offset
+                    break
+                if member.isreg() and not _META.match(member.name):
+                    names.append(member.name.encode("utf-8", errors="surrogateescape"))
+                    offsets.append(member.offset_data)
+                    sizes.append(member.size)
+            else:
+                stopped_at = tar.offset
+    except tarfile.ReadError as err:
+        if not names and stopped_at is None:
+            raise ValueError(f"{name} is not a tar file ({err})") from None
+        stopped_at = tar.offset if stopped_at is None else stopped_at
+    lost = 0
+    fileobj.seek(stopped_at)  # type: ignore[attr-defined]
+    if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):  # type: ignore[attr-defined]
+        lost = size - stopped_at  # no end-of-archive block where the members stop: truncated or corrupt
+    as_array = np.array(names, dtype=bytes), np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64)
+    return TarIndex(*as_array, lost)
+
+
+@dataclass
+class Shards:
+    """Tar shards and their indexes, built or loaded by ``index_shards``."""
+
+    locations: list[str]
+    indexes: list[TarIndex]
+    versions: list[tuple[int, str | None]]  # (size, ETag or mtime) each index was built for
+    bytes_read: int = 0  # by the header walks of this call (0 when every index came from the cache)
+    reader: RangeReader | None = None  # reads the remote shards, their versions recorded
+
+
+def index_shards(
+    locations: list[str],
+    cache_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    io_threads: int = 16,
+) -> Shards:
+    """The index of each shard: from ``cache_dir`` where it holds one for the shard's location, size
+    and version, else by walking the shard's headers (``io_threads`` shards at once, with a progress
+    bar) and kept there. All shards are local paths or all are URLs of one filesystem."""
+    remote = [is_url(location) for location in locations]
+    if any(remote) and not all(remote):
+        raise ValueError(
+            f"shards must be all local or all URLs; got {locations[remote.index(False)]!r} and "
+            f"{locations[remote.index(True)]!r}"
+        )
+    reader = None
+    if remote and remote[0]:
+        reader = RangeReader(f"{urlparse(locations[0]).scheme}://", storage_options, io_threads)
+        try:
+            reader.expect(locations)
+        except FileNotFoundError as err:
+            raise ValueError(f"a tar shard does not exist: {err}") from None
+        versions = [reader.expected[location] for location in locations]
+    else:
+        versions = [_local_version(location) for location in locations]
+    folder = Path(cache_dir or default_index_cache())
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / _index_name(location, version) for location, version in zip(locations, versions, strict=True)]
+    indexes: list[TarIndex | None] = [None] * len(locations)
+    for i, path in enumerate(paths):
+        try:
+            indexes[i] = TarIndex.load(path)
+        except (OSError, ValueError, KeyError):
+            pass
+    todo = [i for i, index in enumerate(indexes) if index is None]
+    read = 0
+    if todo:
+        from tqdm.auto import tqdm
+
+        def build(i: int) -> tuple[int, TarIndex, int]:
+            index, spent = _walk(locations[i], versions[i][0], reader)
+            index.save(paths[i])
+            return i, index, spent
+
+        with (
+            ThreadPoolExecutor(min(io_threads, len(todo))) as pool,
+            tqdm(total=len(todo), desc="indexing tar shards", unit="shard", disable=len(todo) < 2) as bar,
+        ):
+            for i, index, spent in pool.map(build, todo):
+                indexes[i], read = index, read + spent
+                bar.update()
+    for location, index in zip(locations, indexes, strict=True):
+        if index is not None and index.lost_bytes:
+            log.warning(
+                "%s is truncated or corrupt: its last %d bytes hold no complete member (%d members used)",
+                location, index.lost_bytes, len(index.names),
+            )  # fmt: skip
+    return Shards(list(locations), indexes, versions, read, reader)  # type: ignore[arg-type]
+
+
+def _local_version(location: str) -> tuple[int, str | None]:
+    try:
+        stat = os.stat(location)
+    except OSError:
+        raise ValueError(f"tar shard {location} does not exist") from None
+    return stat.st_size, str(stat.st_mtime_ns)
+
+
+def _index_name(location: str, version: tuple[int, str | None]) -> str:
+    absolute = location if is_url(location) else os.path.abspath(location)
+    key = hashlib.sha256(repr((INDEX_FORMAT, absolute, version)).encode()).hexdigest()[:32]
+    return f"{Path(urlparse(location).path).stem}-{key}.npz"
+
+
+def _walk(location: str, size: int, reader: RangeReader | None) -> tuple[TarIndex, int]:
+    """The shard's index, and the bytes read to build it."""
+    if reader is None:
+        fd = os.open(location, os.O_RDONLY)
+        try:
+            return _walk_through(lambda start, end: os.pread(fd, end - start, start), location, size)
+        finally:
+            os.close(fd)
+    return _walk_through(lambda start, end: reader.read([location], [start], [end])[0], location, size)
+
+
+def _walk_through(read: Callable[[int, int], bytes], location: str, size: int) -> tuple[TarIndex, int]:
+    reads = _HeaderReads(read, size)
+    _refuse_compressed(location, reads.read(8))
+    reads.seek(0)
+    return walk_headers(reads, size, location), reads.bytes_read
+
+
+def _refuse_compressed(location: str, head: bytes) -> None:
+    kind = compression_of(head)
+    if kind is not None:
+        tool, suffix = _DECOMPRESS[kind]
+        raise ValueError(
+            f"{location} is a {kind}-compressed tar: its members cannot be read by offset. Store the shards "
+            f"uncompressed (e.g. `{tool} < shard.tar.{suffix} > shard.tar`; WebDataset's images and clips are "
+            "compressed already, so the tar's compression saves little)"
+        )
+
+
+_DECOMPRESS = {
+    "gzip": ("gzip -dc", "gz"),
+    "bzip2": ("bzip2 -dc", "bz2"),
+    "xz": ("xz -dc", "xz"),
+    "zstd": ("zstd -dc", "zst"),
+}
+
+
+def shard_locations(shards: str | list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
+    """The tar shards ``shards`` names, in order: brace patterns expanded as webdataset expands them
+    (``s3://b/{00000..00099}.tar``), a glob (``data/*.tar``) and a folder (its ``.tar`` files) listed in
+    sorted order; a list is each of its items in turn. An error names a pattern that matches nothing."""
+    from braceexpand import braceexpand
+
+    found: list[str] = []
+    for item in [shards] if isinstance(shards, str) else list(shards):
+        for location in braceexpand(str(item)):
+            found += _matches(location, storage_options)
+    if not found:
+        raise ValueError(f"no tar shards in {shards!r}")
+    repeated = sorted({location for location in found if found.count(location) > 1})
+    if repeated:
+        raise ValueError(f"tar shards named twice: {repeated[:3]}")
+    return found
+
+
+def _matches(location: str, storage_options: dict[str, Any] | None) -> list[str]:
+    if not is_url(location):
+        path = os.path.expanduser(location)
+        if any(c in path for c in "*?["):
+            matches = sorted(glob.glob(path, recursive=True))
+        elif os.path.isdir(path):
+            matches = sorted(glob.glob(os.path.join(path, "*.tar")))
+        else:
+            return [path]  # a missing file is named when its size is read
+        if not matches:
+            raise ValueError(f"tar shard pattern {location!r} matches no file")
+        return matches
+    fs = process_filesystem(location, storage_options)
+    protocol = urlparse(location).scheme
+    if any(c in location for c in "*?["):
+        matches = sorted(fs.glob(location))
+    elif fs.isdir(location):
+        matches = sorted(name for name in fs.ls(location, detail=False) if str(name).endswith(".tar"))
+    else:
+        return [location]
+    if not matches:
+        raise ValueError(f"tar shard pattern {location!r} matches no object")
+    return [name if is_url(name) else f"{protocol}://{name}" for name in map(str, matches)]

@@ -1,0 +1,174 @@
+"""WebDataset tar shards as rows of a table: each sample's chosen members, read by offset.
+
+``WebDatasetRows`` answers ``len`` and ``rows[i]`` as a ``datasets.Dataset`` does, so the image-text
+and video samples read it as they read any dataset: a row is a dict of the chosen fields, a media
+field as ``{"bytes", "path"}`` (``path`` names the member: ``shard.tar:key.jpg``), a text field as a
+string; a sample without one of the fields, or whose text is not UTF-8, is a ``BadSample``. A row's
+members are one byte range of its shard (a sample's members lie together): one request per sample,
+and ``prefetch`` requests a micro-batch's ranges together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+
+from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.storage import read_range, storage_path
+from datamodules.storage.tar_index import Shards, index_shards, shard_locations
+
+WEBDATASET = "webdataset"  # the ``path`` (as datasets' builder is named) that reads tar shards by member
+
+
+def key_choices(option: str, value: str) -> list[str]:
+    """``"jpg;png;json:caption"`` as ``["jpg", "png", "json:caption"]``; an error naming ``option`` if empty."""
+    choices = [part.strip() for part in str(value).split(";") if part.strip()]
+    if not choices:
+        raise ValueError(f"{option} names no member field (e.g. 'jpg;png' or 'json:caption'), got {value!r}")
+    return choices
+
+
+class WebDatasetRows:
+    """The samples of indexed tar shards, with ``fields`` chosen by key: ``{"image": "jpg;png",
+    "text": "txt", "prompt": "json:prompt"}``: the first of a field's choices the sample has;
+    ``"json:NAME"`` takes ``NAME`` from the sample's ``.json`` member. The fields named in ``media``
+    are given as bytes, the others as text."""
+
+    def __init__(self, shards: Shards, fields: dict[str, str], media: tuple[str, ...]) -> None:
+        self.reader = shards.reader  # remote shards' ranges, with their sizes and ETags recorded
+        self.media = media
+        self.locations = shards.locations
+        self.column_names = list(fields)
+        self._prefetched: dict[int, bytes] = {}
+        # field -> its choices in order of preference, each (member field, name inside a .json or None)
+        self.choices = {f: [_choice(c) for c in key_choices(f"{f}_key", spec)] for f, spec in fields.items()}
+        shard_ids, keys, starts, ends = [], [], [], []
+        chosen: dict[str, list[tuple[int, int, int]]] = {field: [] for field in fields}  # (offset, size, choice)
+        for number, index in enumerate(shards.indexes):
+            for key, present in index.samples():
+                picks = {
+                    field: next(((n, present[m]) for n, (m, _) in enumerate(choices) if m in present), None)
+                    for field, choices in self.choices.items()
+                }
+                used = [pick[1] for pick in picks.values() if pick is not None] or [next(iter(present.values()))]
+                start = int(min(index.offsets[m] for m in used))
+                end = int(max(index.offsets[m] + index.sizes[m] for m in used))
+                shard_ids.append(number)
+                keys.append(key)
+                starts.append(start)
+                ends.append(end)
+                for field, pick in picks.items():
+                    if pick is None:
+                        chosen[field].append((-1, 0, -1))
+                    else:
+                        chosen[field].append((int(index.offsets[pick[1]]) - start, int(index.sizes[pick[1]]), pick[0]))
+        self.shard_ids = np.array(shard_ids, dtype=np.int32)
+        self.keys = np.array([key.encode("utf-8", errors="surrogateescape") for key in keys], dtype=bytes)
+        self.starts = np.array(starts, dtype=np.int64)
+        self.ends = np.array(ends, dtype=np.int64)
+        self.fields = {field: np.array(places, dtype=np.int64).reshape(-1, 3) for field, places in chosen.items()}
+        digest = hashlib.sha256(repr(sorted(fields.items())).encode())
+        for location, index in zip(self.locations, shards.indexes, strict=True):
+            digest.update(location.rsplit("/", 1)[-1].encode())
+            for array in (index.offsets, index.sizes):
+                digest.update(array.tobytes())
+            digest.update(b"\n".join(index.names.tolist()))
+        self._fingerprint = digest.hexdigest()[:32]  # what a changed shard changes: names, sizes, places
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def describe(self, row: int) -> str:
+        return f"{self.locations[self.shard_ids[row]]}:{self.keys[row].decode('utf-8', errors='surrogateescape')}"
+
+    def prefetch(self, rows: list[int]) -> None:
+        """Read the rows' members now, together (one request per row, concurrent, adjacent rows of a
+        shard merged); the next ``self[row]`` of each takes them from memory."""
+        rows = [int(r) for r in rows]
+        paths = [self.locations[self.shard_ids[r]] for r in rows]
+        starts, ends = self.starts[rows].tolist(), self.ends[rows].tolist()
+        if self.reader is not None:
+            spans = self.reader.read(paths, starts, ends)
+        else:
+            spans = [read_range(storage_path(p), s, e) for p, s, e in zip(paths, starts, ends, strict=True)]
+        if len(self._prefetched) > 4 * len(rows):  # rows prefetched by a fetch that failed part-way
+            self._prefetched.clear()
+        self._prefetched.update(zip(rows, spans, strict=True))
+
+    def __getitem__(self, row: int) -> dict[str, Any]:
+        """The row's fields; a ``BadSample`` for a missing member, a text member that is not UTF-8 or
+        a ``.json`` that is not a JSON object."""
+        row = int(row)
+        span = self._prefetched.pop(row, None)
+        if span is None:
+            self.prefetch([row])
+            span = self._prefetched.pop(row)
+        return self._row(row, span)
+
+    def _row(self, row: int, span: bytes) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for field, places in self.fields.items():
+            offset, size, choice = places[row].tolist()
+            if offset < 0:
+                wanted = " or ".join(f".{member}" for member, _ in self.choices[field])
+                raise BadSample(f"it has no {wanted} member")
+            data = span[offset : offset + size]
+            member, json_name = self.choices[field][choice]
+            if field in self.media:
+                out[field] = {"bytes": data, "path": f"{self.describe(row)}.{member}"}
+            elif json_name is not None:
+                try:
+                    value = json.loads(data)
+                except ValueError as err:
+                    raise BadSample(f"its {member} member is not JSON ({err})") from None
+                if not isinstance(value, dict):
+                    raise BadSample(f"its {member} member is a JSON {type(value).__name__}, not an object")
+                out[field] = value.get(json_name)
+            else:
+                try:
+                    out[field] = data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise BadSample(f"its {member} member is not UTF-8 text ({err})") from None
+        return out
+
+
+def _choice(text: str) -> tuple[str, str | None]:
+    """``"json:caption"`` as ``("json", "caption")``, ``"txt"`` as ``("txt", None)``."""
+    member, _, name = text.partition(":")
+    return member.lower(), (name or None)
+
+
+def split_shards(data_files: str | list[str] | dict[str, Any] | None, split: str) -> str | list[str]:
+    """The shards of ``split``: ``data_files`` (a pattern, a folder or a list: the ``"train"`` split),
+    or its entry for ``split`` (a dict by split, as ``datasets`` takes ``data_files``)."""
+    if data_files is None:
+        raise ValueError(
+            f"path={WEBDATASET!r} reads the tar shards named by data_files (e.g. 's3://bucket/{{00000..00099}}.tar', "
+            "a folder, or a dict by split); got none"
+        )
+    if isinstance(data_files, dict):
+        if split not in data_files:
+            raise ValueError(f"data_files has no split {split!r}; its splits are {sorted(data_files)}")
+        return data_files[split]
+    if split != "train":
+        raise ValueError(
+            f"split {split!r}: data_files names one set of shards (the 'train' split); give a dict such as "
+            f"{{'train': ..., {split!r}: ...}}"
+        )
+    return data_files
+
+
+def webdataset_rows(
+    shards: str | list[str],
+    fields: dict[str, str],
+    media: tuple[str, ...],
+    cache_dir: str | None,
+    storage_options: dict[str, Any] | None,
+) -> WebDatasetRows:
+    """``WebDatasetRows`` of the shards ``shards`` names, indexed (or their indexes read from ``cache_dir``)."""
+    return WebDatasetRows(
+        index_shards(shard_locations(shards, storage_options), cache_dir, storage_options), fields, media
+    )

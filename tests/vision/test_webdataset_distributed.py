@@ -1,0 +1,67 @@
+"""WebDataset shards under real multi-process DDP on CPU (gloo): every sample of 3 shards once per pass
+on 2 ranks x 2 workers, held-out samples evaluated once, and a 2-rank run resumed on 1 rank."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from datamodules import ImageTextSource
+from tests.distributed_support import Run, rows_by_position
+from tests.vision.distributed_vision import source_digests, train_vision
+from tests.vision.image_data import image_folder, tokenizer_for
+from tests.vision.webdataset_data import shards_of_folder
+
+pytest.importorskip("webdataset")
+
+SAMPLES, TEXT_LEN, BATCH = 40, 24, 4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("webdataset")
+    folder = image_folder(root / "images", SAMPLES, prompts=False)
+    return shards_of_folder(folder, root / "shards", per_shard=14), tokenizer_for(root)  # 3 shards: 14, 14, 12
+
+
+def train(data: tuple[str, str], root: Path, devices: int, **kw: object) -> Run:
+    return train_vision("webdataset", data, root, TEXT_LEN, BATCH, devices, cache_dir=root / "index", **kw)
+
+
+def source_rows(data: tuple[str, str], root: Path, val_fraction: float) -> tuple[Counter, Counter]:
+    pattern, tokenizer = data
+    source = ImageTextSource(
+        "webdataset",
+        tokenizer,
+        data_files=pattern,
+        image_field="jpg;png",
+        text_field="txt",
+        num_image_tokens=2,
+        image_size=8,
+        val_fraction=val_fraction,
+        load_kwargs={"cache_dir": str(root / "index")},
+    )
+    return source_digests(source, TEXT_LEN)
+
+
+def test_two_ranks_with_two_workers_train_every_sample_once_and_evaluate_held_out_ones_once(
+    data: tuple[str, str], tmp_path: Path
+) -> None:
+    run = train(data, tmp_path, devices=2, val_fraction=0.2, max_epochs=1, workers=2)
+    train_rows, val_rows = source_rows(data, tmp_path, 0.2)
+    rank0, rank1 = run.rows(0), run.rows(1)
+    assert len(rank0) == len(rank1) == 16  # 32 training samples: 4 steps of 2 ranks x 4
+    assert Counter(rank0 + rank1) == train_rows and sum(train_rows.values()) == 32
+    assert Counter(run.validated(0) + run.validated(1)) == val_rows and sum(val_rows.values()) == 8
+
+
+def test_a_two_rank_run_resumed_on_one_rank_trains_every_sample_once(data: tuple[str, str], tmp_path: Path) -> None:
+    # 5 two-rank steps per epoch (40 positions); stopped after 2 (16 positions), resumed on 1 rank to the epoch end.
+    stopped = train(data, tmp_path / "two", devices=2, max_steps=3, every_n_steps=2)
+    resumed = train(data, tmp_path / "one", devices=1, max_epochs=1, resume=stopped.checkpoint(2), workers=2)
+    before = rows_by_position(stopped, 2, BATCH, before_step=2)
+    after = rows_by_position(resumed, 1, BATCH, first_position=2 * 2 * BATCH)
+    assert sorted(before) + sorted(after) == list(range(SAMPLES)), "a position was skipped or trained twice"
+    assert Counter({**before, **after}.values()) == source_rows(data, tmp_path, 0.0)[0]
