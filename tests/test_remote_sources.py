@@ -212,8 +212,8 @@ def test_hf_text_from_data_files_in_a_bucket_equals_the_local_batches(
 
 
 def test_generated_hidden_states_are_kept_in_and_deleted_from_a_bucket(endpoint: str) -> None:
-    from datamodules.plan.remote_files import RemoteFiles
     from datamodules.speculative.hidden_states_store import HiddenStateFiles
+    from datamodules.storage.remote_files import RemoteFiles
 
     store = HiddenStateFiles(f"s3://{BUCKET}/generated/hidden_states", RemoteFiles(storage_options(endpoint)))
     states = {"hidden_states": torch.randn(5, 2, 4), "token_ids": torch.arange(5)}
@@ -229,8 +229,8 @@ def test_requests_other_than_ranged_reads_are_retried_within_the_same_budget(end
     """HEADs, listings, PUTs and DELETEs of generated hidden states survive transient faults (the
     client's own retries are off: ours are the only ones), and one that keeps failing is given up
     after 5 attempts with a message naming the object."""
-    from datamodules.plan.remote_files import RemoteFiles
     from datamodules.speculative.hidden_states_store import HiddenStateFiles
+    from datamodules.storage.remote_files import RemoteFiles
 
     proxy = S3Proxy(endpoint)
     try:

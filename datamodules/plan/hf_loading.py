@@ -17,7 +17,7 @@ from typing import Any
 import fsspec
 
 from datamodules.plan.arguments import quickstart_hint
-from datamodules.plan.storage import describe_error, is_url, storage_path
+from datamodules.storage.locations import describe_error, is_url, storage_path
 
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 

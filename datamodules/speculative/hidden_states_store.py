@@ -15,8 +15,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save, save_file
 
 from datamodules.plan.bad_samples import BadSample
-from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
-from datamodules.plan.storage import is_url
+from datamodules.storage.locations import is_url
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 
 States = dict[str, torch.Tensor]  # ``hidden_states`` [T, L, H] and ``token_ids`` [T]
 

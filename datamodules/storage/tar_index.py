@@ -21,18 +21,21 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import tarfile
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import fsspec
 import numpy as np
 
-from datamodules.plan.storage import RangeReader, is_url, process_filesystem
+from datamodules.storage.locations import is_url, process_filesystem
+from datamodules.storage.range_reader import RangeReader
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class TarIndex:
     offsets: np.ndarray  # int64
     sizes: np.ndarray  # int64
     lost_bytes: int = 0
+    decompressed: bool = False  # indexed (and read) from a decompressed copy beside the index
 
     def samples(self) -> list[tuple[str, dict[str, int]]]:
         """``(key, {field: member number})`` of each sample, in shard order (webdataset's grouping:
@@ -91,13 +95,16 @@ class TarIndex:
         """Written to a temporary name, then renamed: a reader sees the whole index or none."""
         partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         with partial.open("wb") as f:
-            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, lost=self.lost_bytes)
+            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, lost=self.lost_bytes,
+                     decompressed=self.decompressed)  # fmt: skip
         os.replace(partial, path)
 
     @classmethod
     def load(cls, path: Path) -> TarIndex:
         with np.load(path) as saved:
-            return cls(saved["names"], saved["offsets"], saved["sizes"], int(saved["lost"]))
+            return cls(
+                saved["names"], saved["offsets"], saved["sizes"], int(saved["lost"]), bool(saved["decompressed"])
+            )
 
 
 class _HeaderReads:
@@ -174,6 +181,7 @@ class Shards:
     versions: list[tuple[int, str | None]]  # (size, ETag or mtime) each index was built for
     bytes_read: int = 0  # by the header walks of this call (0 when every index came from the cache)
     reader: RangeReader | None = None  # reads the remote shards, their versions recorded
+    read_locations: list[str] = field(default_factory=list)  # where members are read: the shard or its copy
 
 
 def index_shards(
@@ -181,10 +189,13 @@ def index_shards(
     cache_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
     io_threads: int = 16,
+    allow_compressed: bool = False,
 ) -> Shards:
     """The index of each shard: from ``cache_dir`` where it holds one for the shard's location, size
     and version, else by walking the shard's headers (``io_threads`` shards at once, with a progress
-    bar) and kept there. All shards are local paths or all are URLs of one filesystem."""
+    bar) and kept there. All shards are local paths or all are URLs of one filesystem. A compressed
+    shard is refused, or with ``allow_compressed`` decompressed once into ``cache_dir`` (read whole),
+    its copy indexed and read in its place."""
     remote = [is_url(location) for location in locations]
     if any(remote) and not all(remote):
         raise ValueError(
@@ -207,16 +218,18 @@ def index_shards(
     indexes: list[TarIndex | None] = [None] * len(locations)
     for i, path in enumerate(paths):
         try:
-            indexes[i] = TarIndex.load(path)
+            index = TarIndex.load(path)
         except (OSError, ValueError, KeyError):
-            pass
+            continue
+        if not index.decompressed or _copy_of(path).exists():
+            indexes[i] = index
     todo = [i for i, index in enumerate(indexes) if index is None]
     read = 0
     if todo:
         from tqdm.auto import tqdm
 
         def build(i: int) -> tuple[int, TarIndex, int]:
-            index, spent = _walk(locations[i], versions[i][0], reader)
+            index, spent = _walk(locations[i], versions[i][0], reader, _copy_of(paths[i]) if allow_compressed else None)
             index.save(paths[i])
             return i, index, spent
 
@@ -233,7 +246,11 @@ def index_shards(
                 "%s is truncated or corrupt: its last %d bytes hold no complete member (%d members used)",
                 location, index.lost_bytes, len(index.names),
             )  # fmt: skip
-    return Shards(list(locations), indexes, versions, read, reader)  # type: ignore[arg-type]
+    read_locations = [
+        str(_copy_of(path)) if index.decompressed else location  # type: ignore[union-attr]
+        for path, index, location in zip(paths, indexes, locations, strict=True)
+    ]
+    return Shards(list(locations), indexes, versions, read, reader, read_locations)  # type: ignore[arg-type]
 
 
 def _local_version(location: str) -> tuple[int, str | None]:
@@ -250,35 +267,52 @@ def _index_name(location: str, version: tuple[int, str | None]) -> str:
     return f"{Path(urlparse(location).path).stem}-{key}.npz"
 
 
-def _walk(location: str, size: int, reader: RangeReader | None) -> tuple[TarIndex, int]:
-    """The shard's index, and the bytes read to build it."""
+def _copy_of(index_path: Path) -> Path:
+    """Where a compressed shard's decompressed copy is kept: beside its index."""
+    return index_path.with_suffix(".tar")
+
+
+def _walk(location: str, size: int, reader: RangeReader | None, copy: Path | None) -> tuple[TarIndex, int]:
+    """The shard's index, and the bytes read to build it; a compressed shard is refused, or (given
+    where to ``copy`` it) decompressed there and its copy indexed."""
     if reader is None:
         fd = os.open(location, os.O_RDONLY)
         try:
-            return _walk_through(lambda start, end: os.pread(fd, end - start, start), location, size)
+            read: Callable[[int, int], bytes] = lambda start, end: os.pread(fd, end - start, start)  # noqa: E731
+            kind = compression_of(read(0, 8))
+            if kind is None:
+                return _walk_through(read, location, size)
         finally:
             os.close(fd)
-    return _walk_through(lambda start, end: reader.read([location], [start], [end])[0], location, size)
+    else:
+        read = lambda start, end: reader.read([location], [start], [end])[0]  # noqa: E731
+        kind = compression_of(read(0, min(size, 8)))
+        if kind is None:
+            return _walk_through(read, location, size)
+    tool, suffix = _DECOMPRESS[kind]
+    if copy is None:
+        raise ValueError(
+            f"{location} is a {kind}-compressed tar: its members cannot be read by offset. Store the shards "
+            f"uncompressed (e.g. `{tool} < shard.tar.{suffix} > shard.tar`; WebDataset's images and clips are "
+            "compressed already, so the tar's compression saves little), or allow_compressed_tar=True to "
+            "decompress each shard once into the index cache"
+        )
+    options = reader.storage_options if reader is not None else {}
+    partial = copy.with_name(f".{copy.name}.{uuid.uuid4().hex}")
+    with fsspec.open(location, "rb", compression=_FSSPEC_CODECS[kind], **options) as src, partial.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(partial, copy)
+    index, _ = _walk(str(copy), copy.stat().st_size, None, None)
+    index.decompressed = True
+    return index, size
 
 
 def _walk_through(read: Callable[[int, int], bytes], location: str, size: int) -> tuple[TarIndex, int]:
     reads = _HeaderReads(read, size)
-    _refuse_compressed(location, reads.read(8))
-    reads.seek(0)
     return walk_headers(reads, size, location), reads.bytes_read
 
 
-def _refuse_compressed(location: str, head: bytes) -> None:
-    kind = compression_of(head)
-    if kind is not None:
-        tool, suffix = _DECOMPRESS[kind]
-        raise ValueError(
-            f"{location} is a {kind}-compressed tar: its members cannot be read by offset. Store the shards "
-            f"uncompressed (e.g. `{tool} < shard.tar.{suffix} > shard.tar`; WebDataset's images and clips are "
-            "compressed already, so the tar's compression saves little)"
-        )
-
-
+_FSSPEC_CODECS = {"gzip": "gzip", "bzip2": "bz2", "xz": "xz", "zstd": "zstd"}
 _DECOMPRESS = {
     "gzip": ("gzip -dc", "gz"),
     "bzip2": ("bzip2 -dc", "bz2"),

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from datamodules.plan.storage import is_url, open_remote
+from datamodules.storage.locations import is_url, open_remote
 from datamodules.text.prepare_inputs import SKIP_HINT, DatasetCorpus, PrepareError, file_stamp
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from datamodules.plan.arguments import program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained
-from datamodules.plan.storage import is_url, storage_path
+from datamodules.storage.locations import is_url, storage_path
 from datamodules.text.prepare_inputs import (
     BadRows,
     Corpus,

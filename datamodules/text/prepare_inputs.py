@@ -21,7 +21,7 @@ from typing import Any
 import fsspec
 
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
-from datamodules.plan.storage import is_url, storage_path
+from datamodules.storage.locations import is_url, storage_path
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ prepared parts (``part-00000/``, ...), read in part order; Megatron-LM ``.bin``/
 bare ``.npy`` files (dtype from the header). A ``.bin`` without metadata or index is refused, never
 guessed, and so are signed ids without metadata.
 
-The directory may be a URL (``s3://bucket/corpus``, see ``datamodules.plan.storage``): its layout is
+The directory may be a URL (``s3://bucket/corpus``, see ``datamodules.storage``): its layout is
 read the same way, and windows are read as byte ranges, the windows of one batch in one round of
 concurrent requests, adjacent ranges of a file merged.
 """
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.storage import RangeReader, describe_error, is_url, read_ranges, storage_path
+from datamodules.storage.locations import describe_error, is_url, storage_path
+from datamodules.storage.range_reader import RangeReader, read_ranges
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import EDGE_BYTES, METADATA_FILE, ShardMetadata, edge_ranges, edges_digest
 

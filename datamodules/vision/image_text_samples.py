@@ -14,7 +14,7 @@ import torch
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.held_out import RowSplit
 from datamodules.plan.randomness import seeded
-from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.bad_samples import sample_or_replacement
 from datamodules.vision.images import ImagePixels, read_image
 from datamodules.vision.joined_samples import JoinedSamples

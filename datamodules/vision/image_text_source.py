@@ -14,7 +14,7 @@ from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.plan.remote_files import RemoteFiles
+from datamodules.storage.remote_files import RemoteFiles
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
@@ -42,7 +42,8 @@ class ImageTextSource(SourceSpec):
             ``"webdataset"``: WebDataset tar shards named by ``data_files`` (brace patterns such as
             ``s3://b/{00000..00099}.tar``, globs, a folder of ``.tar`` files, a list, or a dict by
             split), read by member through an index kept in ``load_kwargs["cache_dir"]`` (default
-            ``~/.cache/datamodules/tar_index``); the fields are then member keys, alternatives
+            ``~/.cache/datamodules/tar_index``; ``load_kwargs["allow_compressed_tar"]``: decompress a
+            compressed shard there once instead of refusing it); the fields are then member keys, alternatives
             separated by ``;`` (``image_field="jpg;png;webp"``: the first the sample has) and
             ``"json:NAME"`` for a value in the sample's ``.json`` (``text_field="json:caption"``).
         tokenizer: a ``transformers`` tokenizer name or path; default: the processor's.
@@ -115,11 +116,12 @@ class ImageTextSource(SourceSpec):
             for split in (self.split, self.val_split, self.test_split):
                 if split is not None:
                     split_shards(self.data_files, split)
-            unknown = sorted(set(self.load_kwargs) - {"cache_dir"})
+            unknown = sorted(set(self.load_kwargs) - {"cache_dir", "allow_compressed_tar"})
             if unknown or self.name is not None:
+                got = "name" if self.name is not None else f"load_kwargs {unknown}"
                 raise ValueError(
-                    f"path={WEBDATASET!r} takes data_files and load_kwargs={{'cache_dir': <the tar index cache>}} "
-                    f"only; got {'name' if self.name is not None else 'load_kwargs ' + str(unknown)}"
+                    f"path={WEBDATASET!r} takes data_files and load_kwargs 'cache_dir' (the tar index cache) and "
+                    f"'allow_compressed_tar' only; got {got}"
                 )
         else:
             check_data_files(self.path, self.data_files)
@@ -154,8 +156,8 @@ class ImageTextSource(SourceSpec):
             if self.prompt_field is not None:
                 fields[self.prompt_field] = self.prompt_field
             shards = split_shards(self.data_files, split)
-            cache = self.load_kwargs.get("cache_dir")
-            return webdataset_rows(shards, fields, (self.image_field,), cache, self.storage_options)
+            cache, compressed = self.load_kwargs.get("cache_dir"), self.load_kwargs.get("allow_compressed_tar", False)
+            return webdataset_rows(shards, fields, (self.image_field,), cache, self.storage_options, compressed)
         return load_split(
             self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
         )

@@ -14,7 +14,7 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from datamodules.plan.bad_samples import BadSample
-from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 
 RESIZE_MODES = ("square", "crop")
 # OpenAI CLIP's statistics, which most open VLM vision towers (LLaVA's among them) were trained with.

@@ -31,8 +31,8 @@ import av
 import numpy as np
 
 from datamodules.plan.bad_samples import BadSample, check_policy
-from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
-from datamodules.plan.storage import is_url
+from datamodules.storage.locations import is_url
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 
 _PROBE_PACKETS = 2000  # packets read at most to find the second keyframe
 _END = 2**62  # a seek target past any stream's end: lands on its last keyframe

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
-from datamodules.plan.storage import is_url, join_location, storage_path
+from datamodules.storage.locations import is_url, join_location, storage_path
 from datamodules.vision.webdataset_rows import webdataset_rows
 
 VIDEO_LAYOUTS: dict[str, type[VideoLayout]] = {}
@@ -243,7 +243,8 @@ class WebDatasetLayout(VideoLayout):
         video_key: the clip's member, the first present of ``;``-separated choices.
         text_key: the caption's member, or ``"json:NAME"`` for a value in the sample's ``.json``.
         prompt_key: the prompt's, likewise (optional). index_cache_dir: where the shards' member
-            indexes are kept (default ``~/.cache/datamodules/tar_index``).
+            indexes are kept (default ``~/.cache/datamodules/tar_index``). allow_compressed_tar:
+            decompress a compressed shard there once instead of refusing it.
     """
 
     name = "webdataset"
@@ -256,14 +257,18 @@ class WebDatasetLayout(VideoLayout):
         text_key: str = "txt",
         prompt_key: str | None = None,
         index_cache_dir: str | None = None,
+        allow_compressed_tar: bool = False,
     ) -> None:
         super().__init__(data_root)
         self.fields = {"video": video_key, "text": text_key, **({"prompt": prompt_key} if prompt_key else {})}
         self.index_cache_dir = index_cache_dir
+        self.allow_compressed_tar = allow_compressed_tar
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         shards = [join_location(self.data_root, m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
-        return webdataset_rows(shards, self.fields, ("video",), self.index_cache_dir, self.storage_options)
+        return webdataset_rows(
+            shards, self.fields, ("video",), self.index_cache_dir, self.storage_options, self.allow_compressed_tar
+        )
 
     def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         rows = self.rows(manifest, train_manifest)  # the members lie inside the shards: no path to check

@@ -12,8 +12,8 @@ import torch
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.held_out import RowSplit
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.plan.remote_files import LOCAL_FILES, RemoteFiles
-from datamodules.plan.storage import join_location
+from datamodules.storage.locations import join_location
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.frame_sampling import FrameSampler
 from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples

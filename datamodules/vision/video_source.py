@@ -11,7 +11,7 @@ from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.plan.loader import RankZero, SourceSpec
-from datamodules.plan.remote_files import RemoteFiles
+from datamodules.storage.remote_files import RemoteFiles
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id

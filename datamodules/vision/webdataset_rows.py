@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from datamodules.plan.bad_samples import BadSample
-from datamodules.plan.storage import read_range, storage_path
+from datamodules.storage.locations import is_url
+from datamodules.storage.range_reader import read_range
 from datamodules.storage.tar_index import Shards, index_shards, shard_locations
 
 WEBDATASET = "webdataset"  # the ``path`` (as datasets' builder is named) that reads tar shards by member
@@ -41,6 +43,7 @@ class WebDatasetRows:
         self.reader = shards.reader  # remote shards' ranges, with their sizes and ETags recorded
         self.media = media
         self.locations = shards.locations
+        self.read_locations = shards.read_locations  # a compressed shard's members: its decompressed copy
         self.column_names = list(fields)
         self._prefetched: dict[int, bytes] = {}
         # field -> its choices in order of preference, each (member field, name inside a .json or None)
@@ -88,12 +91,19 @@ class WebDatasetRows:
         """Read the rows' members now, together (one request per row, concurrent, adjacent rows of a
         shard merged); the next ``self[row]`` of each takes them from memory."""
         rows = [int(r) for r in rows]
-        paths = [self.locations[self.shard_ids[r]] for r in rows]
+        paths = [self.read_locations[self.shard_ids[r]] for r in rows]
         starts, ends = self.starts[rows].tolist(), self.ends[rows].tolist()
-        if self.reader is not None:
-            spans = self.reader.read(paths, starts, ends)
-        else:
-            spans = [read_range(storage_path(p), s, e) for p, s, e in zip(paths, starts, ends, strict=True)]
+        remote = [i for i, path in enumerate(paths) if is_url(path)]
+        spans = [b""] * len(rows)
+        if remote:
+            fetched = self.reader.read(
+                [paths[i] for i in remote], [starts[i] for i in remote], [ends[i] for i in remote]
+            )
+            for i, span in zip(remote, fetched, strict=True):
+                spans[i] = span
+        for i, path in enumerate(paths):
+            if not is_url(path):
+                spans[i] = read_range(Path(path), starts[i], ends[i])
         if len(self._prefetched) > 4 * len(rows):  # rows prefetched by a fetch that failed part-way
             self._prefetched.clear()
         self._prefetched.update(zip(rows, spans, strict=True))
@@ -167,8 +177,10 @@ def webdataset_rows(
     media: tuple[str, ...],
     cache_dir: str | None,
     storage_options: dict[str, Any] | None,
+    allow_compressed: bool = False,
 ) -> WebDatasetRows:
     """``WebDatasetRows`` of the shards ``shards`` names, indexed (or their indexes read from ``cache_dir``)."""
+    locations = shard_locations(shards, storage_options)
     return WebDatasetRows(
-        index_shards(shard_locations(shards, storage_options), cache_dir, storage_options), fields, media
+        index_shards(locations, cache_dir, storage_options, allow_compressed=allow_compressed), fields, media
     )

@@ -249,7 +249,7 @@ def test_io_threads_bounds_the_requests_in_flight(tmp_path: Path, layouts: dict,
 def test_an_object_changed_under_the_run_is_refused(
     tmp_path: Path, layouts: dict, endpoint: str, num_workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # layouts: the bucket exists
-    from datamodules.plan.storage import RangeReader
+    from datamodules.storage.range_reader import RangeReader
 
     monkeypatch.setattr(RangeReader, "verify_every", 0.0)  # every read checks (default: every 10 minutes)
     local = tmp_path / "changing"
@@ -271,7 +271,7 @@ def test_an_object_changed_under_the_run_is_refused(
 def test_the_sizes_and_etags_of_a_large_folder_come_from_listing_it_and_agree_with_each_head(
     tmp_path: Path, layouts: dict, endpoint: str, proxy: S3Proxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from datamodules.plan.storage import RangeReader
+    from datamodules.storage.range_reader import RangeReader
     from datamodules.text.token_shards import TokenShards
 
     monkeypatch.setattr(RangeReader, "verify_every", 0.0)  # every read checks its shards

@@ -5,7 +5,6 @@ every awkward shard handled as the bad-sample policy says."""
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 import datasets
@@ -15,11 +14,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import ImageTextDataModule
 from datamodules.plan.bad_samples import BadSample
-from datamodules.storage.tar_index import index_shards, shard_locations
+from datamodules.storage.tar_index import shard_locations
 from datamodules.vision.webdataset_rows import webdataset_rows
+from tests.storage.tar_data import tar_of
 from tests.support import RecordingModel, quiet_trainer
 from tests.vision.image_data import caption, encoded, image_folder, picture, tokenizer_for
-from tests.vision.webdataset_data import shards_of_folder, tar_of
+from tests.vision.webdataset_data import shards_of_folder
 
 wds = pytest.importorskip("webdataset")
 
@@ -134,43 +134,6 @@ def test_missing_members_and_undecodable_images_follow_on_bad_sample(tmp_path: P
     assert sorted(dm.bad_samples.reasons) == [f"{'webdataset'}:train sample {shard}:s{i}" for i in (2, 3, 4)]
 
 
-def test_a_truncated_shard_keeps_its_complete_samples_and_logs_the_lost_bytes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    members = [(f"s{i}.txt", caption(i).encode() * 40) for i in range(8)]
-    whole = tar_of(tmp_path / "whole.tar", members).read_bytes()
-    cut = tmp_path / "cut.tar"
-    cut.write_bytes(whole[: len(whole) // 2])
-    shards = index_shards([str(cut)], str(tmp_path / "idx"))
-    complete = shards.indexes[0]
-    with tarfile.open(tmp_path / "whole.tar") as tar:
-        ends = [m.offset_data + m.size for m in tar.getmembers()]
-    assert len(complete.names) == sum(end <= len(whole) // 2 for end in ends) > 0
-    assert complete.lost_bytes > 0 and "cut.tar is truncated or corrupt" in caplog.text
-    assert f"its last {complete.lost_bytes} bytes" in caplog.text
-
-
-def test_a_compressed_shard_is_refused_with_how_to_recompress(tmp_path: Path) -> None:
-    import gzip
-
-    plain = tar_of(tmp_path / "s.tar", [("a.txt", b"x")]).read_bytes()
-    (tmp_path / "s.tar.gz").write_bytes(gzip.compress(plain))
-    with pytest.raises(
-        ValueError, match=r"s\.tar\.gz is a gzip-compressed tar: .*gzip -dc < shard\.tar\.gz > shard\.tar"
-    ):
-        index_shards([str(tmp_path / "s.tar.gz")], str(tmp_path / "idx"))
-
-
-def test_the_index_is_kept_and_a_changed_shard_is_indexed_again(tmp_path: Path) -> None:
-    shard = tar_of(tmp_path / "s.tar", [("a.txt", b"one"), ("b.txt", b"two")])
-    first = index_shards([str(shard)], str(tmp_path / "idx"))
-    assert first.indexes[0].member_names() == ["a.txt", "b.txt"] and len(list((tmp_path / "idx").iterdir())) == 1
-    again = index_shards([str(shard)], str(tmp_path / "idx"))
-    assert again.indexes[0].member_names() == ["a.txt", "b.txt"] and len(list((tmp_path / "idx").iterdir())) == 1
-    tar_of(shard, [("a.txt", b"one"), ("b.txt", b"two"), ("c.txt", b"three")])
-    assert index_shards([str(shard)], str(tmp_path / "idx")).indexes[0].member_names() == ["a.txt", "b.txt", "c.txt"]
-
-
 def fit(dm: ImageTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list:
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
     model = RecordingModel()
@@ -251,7 +214,10 @@ def test_validation_shards_by_split_are_evaluated_once_and_held_out_fractions_ar
         ({}, r"path='webdataset' reads the tar shards named by data_files"),
         ({"data_files": "x.tar", "val_split": "validation"}, r"split 'validation': data_files names one set of shards"),
         ({"data_files": {"train": "x.tar"}, "val_split": "validation"}, r"data_files has no split 'validation'"),
-        ({"data_files": "x.tar", "load_kwargs": {"data_dir": "x"}}, r"takes data_files and load_kwargs=\{'cache_dir'"),
+        (
+            {"data_files": "x.tar", "load_kwargs": {"data_dir": "x"}},
+            r"takes data_files and load_kwargs 'cache_dir' .* got load_kwargs \['data_dir'\]",
+        ),
     ],
 )
 def test_bad_webdataset_options_are_refused_at_construction(tokenizer: str, options: dict, message: str) -> None:
@@ -267,3 +233,21 @@ def test_a_pattern_that_matches_no_shard_is_one_line_at_setup(tmp_path: Path, to
     dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=str(tmp_path / "missing.tar"))
     with pytest.raises(ValueError, match=r"tar shard .*missing\.tar does not exist"):
         batches(dm)
+
+
+def test_compressed_shards_are_read_from_a_copy_decompressed_once_when_allowed(tmp_path: Path, tokenizer: str) -> None:
+    import gzip
+
+    folder = image_folder(tmp_path / "images", 8)
+    pattern = shards_of_folder(folder, tmp_path / "shards", per_shard=4)
+    for shard in shard_locations(pattern):
+        Path(f"{shard}.gz").write_bytes(gzip.compress(Path(shard).read_bytes()))
+    want = batches(make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=pattern))
+    compressed = f"{pattern}.gz"
+    with pytest.raises(ValueError, match=r"gzip-compressed tar: .* or allow_compressed_tar=True"):
+        batches(make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=compressed))
+    allowed = {"cache_dir": str(tmp_path / "idx"), "allow_compressed_tar": True}
+    got = batches(make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=compressed, load_kwargs=allowed))
+    assert len(want) == len(got) == 2
+    for a, b in zip(want, got, strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,10 +1,7 @@
-"""WebDataset tar shards written in the test: by the ``webdataset`` package's own ``ShardWriter``, and by
-``tarfile`` for what its writer will not make (awkward names, members out of order, truncation)."""
+"""WebDataset tar shards written in the test by the ``webdataset`` package's own ``ShardWriter``."""
 
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 from tests.vision.image_data import metadata
@@ -28,13 +25,3 @@ def shards_of_folder(folder: Path, out: Path, per_shard: int, image_key: str | N
             sink.write(sample)
     count = (len(rows) + per_shard - 1) // per_shard
     return str(out / f"shard-{{000000..{count - 1:06d}}}.tar")
-
-
-def tar_of(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    """A tar holding ``members`` (name, data) in the order given, written by ``tarfile``."""
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path

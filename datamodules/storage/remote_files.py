@@ -25,13 +25,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-from datamodules.plan.storage import (
-    RangeReader,
-    describe_error,
-    is_url,
-    read_range,
-    storage_path,
-)
+from datamodules.storage.locations import describe_error, is_url, storage_path
+from datamodules.storage.range_reader import RangeReader, read_range
 
 log = logging.getLogger(__name__)
 

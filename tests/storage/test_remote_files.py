@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
-from datamodules.plan.remote_files import RemoteFiles
+from datamodules.storage.remote_files import RemoteFiles
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
