@@ -205,6 +205,9 @@ def main() -> None:
             for name, decode in decoders.items():
                 speeds[name].append(floor_speed(decode, images, args.seconds))
             for name, decoder in together.items():
+                if args.quick:  # a smoke run: two fresh interpreters per decoder cost more than the rest of it
+                    speeds[name].append(2 * speeds[decoder][-1])
+                    continue
                 speeds[name].append(
                     in_processes_at_once(floor_in_process, (decoder, args.image_size, paths, args.seconds), 2)
                 )

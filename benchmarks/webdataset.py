@@ -187,9 +187,10 @@ def main() -> None:
                                "GB": remote_bytes / 1e9, "index s": seconds, "MB read": far.bytes_read / 1e6,
                                "of the shards' bytes": far.bytes_read / remote_bytes,
                                "ranged GETs": counts["ranged_gets"]})  # fmt: skip
-            checks[f"{name}: the bucket's index read {far.bytes_read / remote_bytes:.1%} of the shards"] = (
-                far.bytes_read < remote_bytes / 2
-            )
+            if number == 0:  # large members: a small request each; small ones are read densely, in few requests
+                checks[f"{name}: the bucket's index read {far.bytes_read / remote_bytes:.1%} of the shards"] = (
+                    far.bytes_read < remote_bytes / 10
+                )
 
             loaders = {
                 "ours: tar shards": started(ours(data, args.workers, args.batch_size, args.image_size)),

@@ -20,6 +20,8 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem no
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_benchmark_runs_and_writes_its_results(tmp_path: Path, name: str) -> None:
+    if name == "peers" and not any(importlib.util.find_spec(module) for module in PEERS.values()):
+        pytest.skip("no peer loader installed (pip install -e '.[bench]'); .ci/run runs it with them")
     done = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--results-dir", str(tmp_path)],
         cwd=ROOT,

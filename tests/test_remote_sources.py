@@ -280,6 +280,7 @@ def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_fro
 ) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from datamodules.storage.tar_index import shard_locations
     from tests.support import RecordingModel, quiet_trainer
     from tests.vision.webdataset_data import shards_of_folder
 
@@ -293,6 +294,10 @@ def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_fro
     common = {**IMAGE_OPTIONS, "tokenizer": tokenizer, "batch_size": 2, "image_field": "png", "text_field": "txt"}
     want = epochs(ImageTextDataModule("webdataset", data_files=pattern, **common,
                                       load_kwargs={"cache_dir": str(tmp_path / "local-index")}))  # fmt: skip
+    names = [f"{url}/shard-{i:06d}.tar" for i in range(3)]
+    assert shard_locations(url_pattern) == names  # a brace pattern: no request
+    assert shard_locations(f"{url}/*.tar", storage_options(endpoint)) == names  # a glob: a listing
+    assert shard_locations(url, storage_options(endpoint)) == names  # a folder: its .tar objects
     proxy = S3Proxy(endpoint)
     try:
 

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 INDEX_FORMAT = 1
 _KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
+_TAR_NAME = re.compile(r"\.(tar|tgz)(\.\w+)?$")  # a shard's name, compressed or not (no glob in it)
 _COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 _FIRST_READ, _MOST_READ = 8 << 10, 1 << 20
 
@@ -351,9 +352,12 @@ def _matches(location: str, storage_options: dict[str, Any] | None) -> list[str]
         if not matches:
             raise ValueError(f"tar shard pattern {location!r} matches no file")
         return matches
+    globbed = any(c in location for c in "*?[")
+    if not globbed and _TAR_NAME.search(location):  # a shard: no request (its size is read with the others')
+        return [location]
     fs = process_filesystem(location, storage_options)
     protocol = urlparse(location).scheme
-    if any(c in location for c in "*?["):
+    if globbed:
         matches = sorted(fs.glob(location))
     elif fs.isdir(location):
         matches = sorted(name for name in fs.ls(location, detail=False) if str(name).endswith(".tar"))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -20,6 +21,7 @@ from datamodules.vision.images import ImagePixels, read_image
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.vlm_processor import ProcessorInputs
+from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
 
 
 @dataclass
@@ -72,6 +74,15 @@ class ImageTextSamples:
 
     def __len__(self) -> int:
         return len(self.split)
+
+    @property
+    def fetch_many(self) -> Callable[[list[tuple[np.ndarray, dict]]], list[dict[str, Any]]]:
+        """Tar shards in a bucket read in-process: the next micro-batch read ahead (``fetch_each``).
+        Not with a user transform: it draws from the global generators, which a thread would share
+        with the training loop; not for local rows (``hasattr`` is false)."""
+        if not in_a_bucket(self.dataset) or getattr(self.pixels, "user_transform", False):
+            raise AttributeError("fetch_many")
+        return fetch_each(self.fetch)
 
     @property
     def shape_key(self) -> tuple[Any, ...]:

@@ -4,6 +4,7 @@ the DataLoader's workers), turned into tensors per the batch contract in ``to_ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.video_decoding import ClipBytes, read_frames
+from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
 
 BROKEN_CLIP_POLICIES = ("mask", "raise")
 
@@ -69,6 +71,14 @@ class VideoSamples:
 
     def __len__(self) -> int:
         return len(self.split)
+
+    @property
+    def fetch_many(self) -> Callable[[list[tuple[np.ndarray, dict]]], list[dict[str, Any]]]:
+        """Tar shards in a bucket read in-process: the next micro-batch read ahead (``fetch_each``); local
+        rows have none (``hasattr`` is false)."""
+        if not in_a_bucket(self.dataset):
+            raise AttributeError("fetch_many")
+        return fetch_each(self.fetch)
 
     @property
     def shape_key(self) -> tuple[Any, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,17 @@ def _choice(text: str) -> tuple[str, str | None]:
     """``"json:caption"`` as ``("json", "caption")``, ``"txt"`` as ``("txt", None)``."""
     member, _, name = text.partition(":")
     return member.lower(), (name or None)
+
+
+def fetch_each(fetch: Callable[..., dict[str, Any]]) -> Callable[[list[tuple[Any, dict]]], list[dict[str, Any]]]:
+    """A samples' ``fetch_many`` that fetches each micro-batch in turn: for rows in a bucket, the loader
+    in-process then reads and decodes the next micro-batch in a thread while this one trains."""
+    return lambda calls: [fetch(indices, **extra) for indices, extra in calls]
+
+
+def in_a_bucket(dataset: Any) -> bool:
+    """Whether ``dataset``'s rows are tar shards read by URL (worth reading ahead in-process)."""
+    return getattr(dataset, "reader", None) is not None
 
 
 def split_shards(data_files: str | list[str] | dict[str, Any] | None, split: str) -> str | list[str]:
