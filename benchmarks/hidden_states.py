@@ -135,13 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     quick = args.quick
-    seconds, rounds = (1.0, 1) if quick else (5.0, args.rounds)
+    seconds, rounds = (0.5, 1) if quick else (5.0, args.rounds)
     torch.set_num_threads(1)
     tables, checks = {}, {}
     with data_directory(args.data_dir) as root:
         model = root / "verifier"
         tiny_verifier(VOCAB).save_pretrained(model)
-        data = conversations(root / "generated", 400 if quick else 2000, mean=300)
+        data = conversations(root / "generated", 200 if quick else 2000, mean=300)
 
         with Server(model, root / "served", "--delay", "0.05") as server:
             threaded = {n: generating(data, server, fetch_threads=n) for n in (1, 8)}
