@@ -327,5 +327,13 @@ def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_fro
             return f"/{where.netloc}{where.path}", f"bytes={rows.starts[row]}-{rows.ends[row] - 1}"
 
         assert sorted(proxy.requests) == sorted(map(span, later))  # one ranged read a sample, none before
+
+        # A shard replaced under the running job: its next read is refused, not mixed with the old index.
+        replaced = tmp_path / "replaced.tar"
+        replaced.write_bytes((tmp_path / "shards" / "shard-000000.tar").read_bytes()[::-1])
+        s3fs.S3FileSystem(**storage_options(endpoint)).put(str(replaced), f"{BUCKET}/wds/shard-000000.tar")
+        rows.reader.verify_every = 0.0
+        with pytest.raises(OSError, match=r"shard-000000\.tar changed during the run"):
+            rows.prefetch([0])
     finally:
         proxy.close()

@@ -75,12 +75,16 @@ class WebDatasetRows:
         self.ends = np.array(ends, dtype=np.int64)
         self.fields = {field: np.array(places, dtype=np.int64).reshape(-1, 3) for field, places in chosen.items()}
         digest = hashlib.sha256(repr(sorted(fields.items())).encode())
-        for location, index in zip(self.locations, shards.indexes, strict=True):
+        # What a changed shard changes: its members' names, sizes and places; in a bucket, its ETag too (a
+        # local file's mtime is left out: a copy of the shards elsewhere resumes).
+        for location, index, (_, tag) in zip(self.locations, shards.indexes, shards.versions, strict=True):
             digest.update(location.rsplit("/", 1)[-1].encode())
             for array in (index.offsets, index.sizes):
                 digest.update(array.tobytes())
             digest.update(b"\n".join(index.names.tolist()))
-        self._fingerprint = digest.hexdigest()[:32]  # what a changed shard changes: names, sizes, places
+            if is_url(location):
+                digest.update(str(tag).encode())
+        self._fingerprint = digest.hexdigest()[:32]
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -5,6 +5,7 @@ every awkward shard handled as the bad-sample policy says."""
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import datasets
@@ -251,3 +252,19 @@ def test_compressed_shards_are_read_from_a_copy_decompressed_once_when_allowed(t
     assert len(want) == len(got) == 2
     for a, b in zip(want, got, strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resume_onto_changed_shards_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    folder = image_folder(tmp_path / "images", 12)
+    pattern = shards_of_folder(folder, tmp_path / "shards", per_shard=6)
+
+    def dm() -> ImageTextDataModule:
+        return make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=pattern)
+
+    fit(dm(), 3, ckpt_dir=tmp_path / "ckpt")
+    first = Path(shard_locations(pattern)[0])
+    with tarfile.open(first) as tar:
+        kept = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()[:-3]]  # one sample fewer
+    tar_of(first, kept)
+    with pytest.raises(ValueError, match="the data plan differs from the checkpoint's"):
+        fit(dm(), 6, resume=next((tmp_path / "ckpt").glob("*.ckpt")))
