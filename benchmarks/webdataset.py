@@ -16,10 +16,8 @@ JPEGs (1080p and 256 px) in 20 shards each: ``python -m benchmarks.webdataset``.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import statistics
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,32 +33,10 @@ from benchmarks.object_store.serve import StoreProcess
 from benchmarks.object_store.server import create_bucket, storage_options
 from datamodules import ImageTextDataModule
 from datamodules.storage.tar_index import index_shards
-from examples.default_images import train_caption_tokenizer
+from examples.default_images import train_caption_tokenizer, write_tar_shards
 
 BUCKET, DELAY_MS, RESUME_AT = "shards", 50, 10**6
 GOAL_OF_IMAGEFOLDER, GOAL_RESUME_S = 0.9, 2.0
-
-
-def write_shards(folder: Path, out: Path, shards: int) -> list[Path]:
-    """The imagefolder's rows as ``shards`` tar shards (``{key}.jpg`` and ``{key}.txt``), kept if there."""
-    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
-    per = -(-len(rows) // shards)
-    paths = [out / f"{i:05d}.tar" for i in range(shards)]
-    if all(p.exists() for p in paths):
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    for number, path in enumerate(paths):
-        with tarfile.open(path, "w") as tar:
-            for row in rows[number * per : (number + 1) * per]:
-                key = row["file_name"].rsplit(".", 1)[0]
-                for name, data in (
-                    (f"{key}.jpg", (folder / row["file_name"]).read_bytes()),
-                    (f"{key}.txt", row["text"].encode()),
-                ):
-                    info = tarfile.TarInfo(name)
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-    return paths
 
 
 def ours(data: dict[str, Any], workers: int, batch: int, size: int, **more: Any) -> ImageTextDataModule:
@@ -158,7 +134,7 @@ def main() -> None:
         for number, (name, size) in enumerate(sets.items()):
             tag = name.replace(" ", "")
             folder = write_photos(directory / f"photos-{tag}", args.num_samples, args.distinct, size)
-            shards = write_shards(folder, directory / f"shards-{tag}", args.shards)
+            shards = write_tar_shards(folder, directory / f"shards-{tag}", args.shards)
             captions = [json.loads(line)["text"] for line in (folder / "metadata.jsonl").read_text().splitlines()]
             tokenizer = str(train_caption_tokenizer(captions[:2000], directory / f"tokenizer-{tag}"))
             shard_bytes = sum(p.stat().st_size for p in shards)

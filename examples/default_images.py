@@ -3,8 +3,10 @@ locally (an ``imagefolder`` with ``metadata.jsonl``), and a tokenizer for them."
 
 from __future__ import annotations
 
+import io
 import json
 import random
+import tarfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -68,9 +70,37 @@ def train_caption_tokenizer(texts: list[str], directory: Path, vocab_size: int =
     return directory
 
 
+def write_tar_shards(folder: Path, out: Path, shards: int, prefix: str = "") -> list[Path]:
+    """The imagefolder ``folder``'s rows as WebDataset tar shards ``out/{prefix}00000.tar``, ...: each
+    sample its image under its own extension, ``.txt`` (the ``text``) and, when the rows hold more,
+    ``.json`` (the rest, e.g. ``prompt``). Kept if they are there already."""
+    rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+    per = -(-len(rows) // shards)
+    paths = [out / f"{prefix}{i:05d}.tar" for i in range(shards)]
+    if all(p.exists() for p in paths):
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    for number, path in enumerate(paths):
+        with tarfile.open(path, "w") as tar:
+            for row in rows[number * per : (number + 1) * per]:
+                key, extension = row["file_name"].rsplit(".", 1)
+                members = [(f"{key}.{extension}", (folder / row["file_name"]).read_bytes())]
+                members.append((f"{key}.txt", row["text"].encode()))
+                rest = {k: v for k, v in row.items() if k not in ("file_name", "text")}
+                if rest:
+                    members.append((f"{key}.json", json.dumps(rest).encode()))
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return paths
+
+
 def build_default_images(workdir: Path, count: int = 2000) -> tuple[Path, Path]:
-    """The quickstart's image folder and its tokenizer, under ``workdir``."""
+    """The quickstart's image folder (also as 4 WebDataset tar shards in ``shapes_shards``) and its
+    tokenizer, under ``workdir``."""
     images = write_shape_images(workdir / "shapes", count)
+    write_tar_shards(images, workdir / "shapes_shards", 4, prefix="shapes-")
     rows = [json.loads(line) for line in (images / "metadata.jsonl").read_text().splitlines()]
     tokenizer = train_caption_tokenizer([f"{r['prompt']} {r['text']}" for r in rows], workdir / "caption_tokenizer")
     return images, tokenizer

@@ -42,6 +42,7 @@ def quickstart_inputs() -> None:
 # Text configs train on 16-token sequences here; a vision sample keeps its prompt and placeholders.
 SHORTER = {
     "image_text": [],
+    "image_text_webdataset": [],
     "video": [],
     "speculative": ["--data.init_args.total_seq_len=256"],
     "conversations": ["--data.init_args.total_seq_len=128", "--data.init_args.batch_size=2"],
