@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules.text.shard_writer import ShardWriter
@@ -50,6 +50,22 @@ def quiet_trainer(**kwargs: object) -> Trainer:
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in kwargs.get("callbacks") or [])
     quiet = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False}
     return Trainer(**{**quiet, "enable_checkpointing": checkpointing, **kwargs})
+
+
+def fit_records(
+    dm: LightningDataModule,
+    max_steps: int,
+    ckpt_dir: Path | None = None,
+    resume: Path | None = None,
+    every: int = 3,
+    **trainer: object,
+) -> list[dict]:
+    """``Trainer.fit`` of a ``RecordingModel`` on ``dm`` for ``max_steps`` (a checkpoint every ``every``
+    steps into ``ckpt_dir``, or resumed from ``resume``): the model's records, one per step."""
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1)] if ckpt_dir else []
+    model = RecordingModel()
+    quiet_trainer(max_steps=max_steps, callbacks=callbacks, **trainer).fit(model, datamodule=dm, ckpt_path=resume)
+    return model.records
 
 
 def make_mixture_shards(root: Path, sizes: dict[str, int], seq_len: int, value_stride: int) -> dict[str, Path]:

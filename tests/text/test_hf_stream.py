@@ -14,14 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import HFTextDataModule
 from datamodules.text.prepare import DocumentTokenizer
 from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.text_stream import TextStream
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, quiet_trainer
+from tests.support import RecordingModel, fit_records, quiet_trainer
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i in range(300)]
@@ -113,11 +112,8 @@ def test_two_workers_yield_their_readers_batches_in_turn(tmp_path: Path, tokeniz
 
 
 def fit(dm: HFTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list[dict]:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=7, save_top_k=-1)] if ckpt_dir else []
-    model = RecordingModel()
-    trainer = quiet_trainer(max_steps=max_steps, callbacks=callbacks, num_sanity_val_steps=0)
-    trainer.fit(model, datamodule=dm, ckpt_path=resume)
-    return [{"step": r["step"], "digest": r["digest"]} for r in model.records]
+    records = fit_records(dm, max_steps, ckpt_dir, resume, every=7, num_sanity_val_steps=0)
+    return [{"step": r["step"], "digest": r["digest"]} for r in records]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -8,14 +8,13 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from datamodules import HFTextDataModule, HFTextSource, MixtureComponent, MixtureDataModule, TokenShards
 from datamodules.text.prepare import prepare
 from datamodules.text.prepare_inputs import PrepareError
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, all_tokens, quiet_trainer
+from tests.support import RecordingModel, all_tokens, fit_records, quiet_trainer
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (i % 7 + 1) for i in range(60)]
 SEQ_LEN, BATCH = 8, 4
@@ -116,10 +115,7 @@ def test_a_validation_split_is_tokenized_in_setup_and_evaluated_once(tmp_path: P
 
 
 def fit(dm: HFTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list[dict]:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
-    model = RecordingModel()
-    quiet_trainer(max_steps=max_steps, callbacks=callbacks).fit(model, datamodule=dm, ckpt_path=resume)
-    return model.records
+    return fit_records(dm, max_steps, ckpt_dir, resume)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -8,7 +8,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image, ImageFile
 from torchvision.transforms import v2
 from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
@@ -16,7 +15,7 @@ from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
 from datamodules import ImageTextDataModule, ImageTextSource, MixtureComponent, MixtureDataModule
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, BadSample, ResizeImage, read_image
 from datamodules.vision.prompt_labels import PromptAnswerLabels
-from tests.support import RecordingModel, quiet_trainer
+from tests.support import RecordingModel, fit_records, quiet_trainer
 from tests.vision.image_data import BROKEN, caption, encoded, image_folder, metadata, tokenizer_for
 
 SIZE, TEXT_LEN, TOKENS = 16, 40, 4
@@ -343,10 +342,7 @@ def test_a_bad_image_raises_naming_its_row_and_file(tmp_path: Path, tokenizer: s
 
 
 def fit(dm: ImageTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
-    model = RecordingModel()
-    quiet_trainer(max_steps=max_steps, callbacks=callbacks).fit(model, datamodule=dm, ckpt_path=resume)
-    return [(r["digest"], r["rows"]) for r in model.records]
+    return [(r["digest"], r["rows"]) for r in fit_records(dm, max_steps, ckpt_dir, resume)]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

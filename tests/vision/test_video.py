@@ -9,14 +9,13 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torchvision.transforms import v2
 from transformers import AutoTokenizer
 
 from datamodules import MixtureComponent, MixtureDataModule, VideoDataModule, VideoSource
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, BadSample
 from examples.default_images import train_caption_tokenizer
-from tests.support import RecordingModel, quiet_trainer
+from tests.support import RecordingModel, fit_records, quiet_trainer
 from tests.vision.video_data import clip_seconds, encode_clip, nearest_reference, video_caption, video_folder
 
 SIZE, TEXT_LEN, TOKENS, FRAMES = 16, 24, 2, 6
@@ -196,10 +195,7 @@ def test_on_broken_clip_raise_names_the_row_and_file(tmp_path: Path, tokenizer: 
 
 
 def fit(dm: VideoDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
-    model = RecordingModel()
-    quiet_trainer(max_steps=max_steps, callbacks=callbacks).fit(model, datamodule=dm, ckpt_path=resume)
-    return [r["digest"] for r in model.records]
+    return [r["digest"] for r in fit_records(dm, max_steps, ckpt_dir, resume)]
 
 
 @pytest.mark.parametrize("accuracy", ["exact", "keyframe"])

@@ -11,14 +11,13 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from datamodules import ImageTextDataModule
 from datamodules.plan.bad_samples import BadSample
 from datamodules.storage.tar_index import shard_locations
 from datamodules.vision.webdataset_rows import webdataset_rows
 from tests.storage.tar_data import tar_of
-from tests.support import RecordingModel, quiet_trainer
+from tests.support import fit_records
 from tests.vision.image_data import caption, encoded, image_folder, picture, tokenizer_for
 from tests.vision.webdataset_data import shards_of_folder
 
@@ -136,10 +135,7 @@ def test_missing_members_and_undecodable_images_follow_on_bad_sample(tmp_path: P
 
 
 def fit(dm: ImageTextDataModule, max_steps: int, ckpt_dir: Path | None = None, resume: Path | None = None) -> list:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)] if ckpt_dir else []
-    model = RecordingModel()
-    quiet_trainer(max_steps=max_steps, callbacks=callbacks).fit(model, datamodule=dm, ckpt_path=resume)
-    return [(r["digest"], r["rows"]) for r in model.records]
+    return [(r["digest"], r["rows"]) for r in fit_records(dm, max_steps, ckpt_dir, resume)]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
