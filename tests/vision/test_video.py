@@ -272,7 +272,7 @@ def test_two_video_sources_mix_with_exact_counts_in_every_batch(tmp_path: Path, 
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ({"dataset_type": "youtube"}, "dataset_type must be one of \\['folder', 'hf', 'webvid'\\], got 'youtube'"),
+        ({"dataset_type": "youtube"}, r"dataset_type must be one of \['folder', 'hf', 'webdataset', 'webvid'\]"),
         ({"on_broken_clip": "skip"}, "on_broken_clip must be one of \\('mask', 'raise'\\), got 'skip'"),
         ({"frame_sampling": "random"}, "frame_sampling must be one of"),
         ({"layout_options": {"videoid_column": "id"}}, "does not take layout_options \\['videoid_column'\\]"),
