@@ -4,6 +4,7 @@ user can cause (a path, a split, a hub name offline) told in one line instead of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import hashlib
@@ -11,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +147,10 @@ def load_split(
             '"json", ...) as the path and the URLs as data_files'
         )
     try:
-        return datasets.load_dataset(
-            path, name, split=split, data_files=data_files, streaming=streaming, **remote, **(load_kwargs or {})
-        )
+        with _without_download_count(path):
+            return datasets.load_dataset(
+                path, name, split=split, data_files=data_files, streaming=streaming, **remote, **(load_kwargs or {})
+            )
     except Exception as err:  # the Hub's errors are many and long: one line is what a user needs
         where = "could not be loaded with datasets.load_dataset"
         if not (Path(path).exists() or _is_builder(path)):
@@ -155,6 +158,22 @@ def load_split(
             if datasets.config.HF_HUB_OFFLINE:
                 where = "is not a local path, and the HuggingFace Hub is offline here (HF_HUB_OFFLINE): no request made"
         raise error(f"{path!r} {where} ({type(err).__name__}: {one_line(err)})") from None
+
+
+@contextlib.contextmanager
+def _without_download_count(path: str) -> Iterator[None]:
+    """For a builder (``"json"``, ``"parquet"``, ...) over the user's own files, ``datasets`` would
+    still send a HEAD request to its download counter (``increase_load_count``); without network, as
+    on many clusters, each ``load_dataset`` then waited 10-30 s for it. Not sent for those."""
+    import datasets
+
+    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    if _is_builder(path):
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
 
 
 def load_pretrained(kind: str, name: str, error: type[Exception] = ValueError) -> Any:

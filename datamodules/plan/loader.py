@@ -228,7 +228,7 @@ class PlanDataLoader(DataLoader):
         elif self.num_workers == 0:
             raws = map(self.dataset.__getitem__, self.sampler)
         else:
-            raws = itertools.chain.from_iterable(from_workers(self, super().__iter__))
+            raws = itertools.chain.from_iterable(from_workers(super().__iter__))
         to_batch = self.dataset.source.to_batch
         mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:

@@ -137,7 +137,7 @@ class StreamLoader(DataLoader):
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._raws is None:
-            self._raws = from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
+            self._raws = from_workers(super().__iter__) if self.num_workers else super().__iter__()
         remaining = self.epoch_batches()
         to_batch = self.dataset.stream.to_batch
         while remaining is None or remaining > 0:

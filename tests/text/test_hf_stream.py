@@ -231,3 +231,28 @@ def test_empty_texts_are_skipped_and_on_bad_row_skip_skips_nulls(
             pass
     skipped = sum(1 for t in texts if not t)
     assert f"stream reader 0 skipped {skipped} empty texts or rows without text in pass 0" in caplog.text
+
+
+def test_a_dropped_loader_is_freed_at_once_and_its_workers_with_it(tmp_path: Path, tokenizer: str) -> None:
+    # Freed by its reference count, not by the cycle collector: a reference cycle through the loader
+    # once had the collector close the workers' queues before their shutdown, and each worker waited
+    # out torch's 5 s join (10 s for every dropped loader).
+    import gc
+    import multiprocessing
+    import weakref
+
+    dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 2, row_group=20), num_workers=2, steps_per_epoch=5)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    for _ in range(2):
+        assert len(list(loader)) == 5
+    workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+    assert len(workers) == 2
+    freed = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader, dm
+        assert freed() is None
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()

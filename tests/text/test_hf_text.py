@@ -263,3 +263,29 @@ def test_a_data_files_pattern_that_matches_nothing_is_named_at_construction(tmp_
         HFTextDataModule("json", tokenizer, SEQ_LEN, BATCH, data_files=str(tmp_path / "nowhere" / "*.jsonl"))
     with pytest.raises(ValueError, match=r"^tokenizer '\./no_tokenizer' does not exist$"):
         HFTextDataModule("json", "./no_tokenizer", SEQ_LEN, BATCH, data_files=str(jsonl(tmp_path / "d.jsonl", DOCS)))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_local_files_are_loaded_without_a_network_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streaming: bool
+) -> None:
+    # datasets' builders send a HEAD to their download counter on every load_dataset; without network (as
+    # on many clusters) each load waited 10-30 s for it. Loading the user's own files asks nothing remote.
+    import socket
+
+    from datamodules.plan.hf_loading import load_split
+
+    looked_up: list[str] = []
+    real = socket.getaddrinfo
+
+    def recording(host: str, *args: object, **kwargs: object) -> object:
+        if host not in ("localhost", "::1") and not str(host).startswith("127."):
+            looked_up.append(host)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", recording)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    loaded = load_split("json", "train", data_files=str(tmp_path / "docs.jsonl"), streaming=streaming)
+    assert [row["text"] for row in loaded] == DOCS
+    assert looked_up == []
