@@ -18,6 +18,7 @@ import io
 import json
 import os
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -60,12 +61,13 @@ def photo(i: int, size: tuple[int, int]) -> Image.Image:
     return image
 
 
-def write_photos(directory: Path, count: int, distinct: int, size: tuple[int, int]) -> Path:
+def write_photos(directory: Path, count: int, distinct: int, size: tuple[int, int], link: bool = True) -> Path:
     """An imagefolder of ``count`` JPEGs (quality 90) with captions, kept if it is already there.
 
     Only ``distinct`` pictures are drawn (a 1080p picture takes half a second); file ``i`` is a hard
-    link to picture ``i % distinct``. The rows still make an epoch long enough that the loaders'
-    pipeline drain at each epoch end does not weigh on the numbers."""
+    link to picture ``i % distinct`` (``link=False``: a copy, so reading the folder touches as many
+    bytes as reading the same images from tar shards). The rows still make an epoch long enough that
+    the loaders' pipeline drain at each epoch end does not weigh on the numbers."""
     if (directory / "metadata.jsonl").exists() and len(list(directory.glob("*.jpg"))) == count:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
@@ -76,8 +78,10 @@ def write_photos(directory: Path, count: int, distinct: int, size: tuple[int, in
         path.unlink(missing_ok=True)
         if i < distinct:
             photo(i, size).save(path, quality=90)
-        else:
+        elif link:
             os.link(directory / f"{i % distinct:05d}.jpg", path)
+        else:
+            shutil.copyfile(directory / f"{i % distinct:05d}.jpg", path)
         caption = f"a photo of {' and '.join(rng.sample(list(COLORS), 2))} circles on a gradient, number {i}"
         rows.append({"file_name": f"{i:05d}.jpg", "text": caption})
     (directory / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -133,12 +133,14 @@ def main() -> None:
         bucket = s3fs.S3FileSystem(**storage_options(store.endpoint))
         for number, (name, size) in enumerate(sets.items()):
             tag = name.replace(" ", "")
-            folder = write_photos(directory / f"photos-{tag}", args.num_samples, args.distinct, size)
+            # Copies, not links: the imagefolder's reads touch as many bytes as the shards' do.
+            folder = write_photos(directory / f"photos-{tag}-copies", args.num_samples, args.distinct, size, link=False)
             shards = write_tar_shards(folder, directory / f"shards-{tag}", args.shards)
             captions = [json.loads(line)["text"] for line in (folder / "metadata.jsonl").read_text().splitlines()]
             tokenizer = str(train_caption_tokenizer(captions[:2000], directory / f"tokenizer-{tag}"))
             shard_bytes = sum(p.stat().st_size for p in shards)
             warm_page_cache(shards)
+            warm_page_cache(sorted(folder.glob("*.jpg")))
             index = directory / f"index-{tag}-{time.time_ns()}"
             data = {"shards": shards, "folder": folder, "tokenizer": tokenizer, "index": index}
 
