@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -101,6 +102,7 @@ class PlanDataModule(LightningDataModule):
         self._checkpoint_phases: list[dict[str, Any]] | None = None
         self._summarized = False  # the data summary is shown once per fit
         self._vote = RankVote(type(self).__name__)  # several ranks stop together (stopping.py)
+        self._loaders: weakref.WeakSet = weakref.WeakSet()  # closed at teardown
 
     def build_sources(self) -> list[tuple[str, Source | None, dict[str, Source]]]:
         """``(name, train, held)`` of every source: ``held`` maps ``"validation"`` and ``"test"`` to
@@ -193,6 +195,10 @@ class PlanDataModule(LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self._vote.finish()
+        # The Trainer's objects end in reference cycles; a worker iterator collected with them is shut
+        # down after the collector closed its queues, and each worker then waits out torch's 5 s join.
+        for loader in list(self._loaders):
+            loader.close()
 
     def on_exception(self, exception: BaseException) -> None:
         self._vote.finish(failed=True)
@@ -380,8 +386,10 @@ class PlanDataModule(LightningDataModule):
         )
 
     def _stopping_together(self, loader: Any) -> Any:
-        """On several ranks, a loader's failure becomes a stop every rank votes on (``stopping.py``)."""
+        """On several ranks, a loader's failure becomes a stop every rank votes on (``stopping.py``);
+        every loader made is closed at ``teardown``."""
         loader.stop_together = getattr(self.trainer, "world_size", 1) > 1
+        self._loaders.add(loader)
         return loader
 
     def source_weights(self) -> list[float] | None:

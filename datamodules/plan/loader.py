@@ -228,7 +228,7 @@ class PlanDataLoader(DataLoader):
         elif self.num_workers == 0:
             raws = map(self.dataset.__getitem__, self.sampler)
         else:
-            raws = itertools.chain.from_iterable(from_workers(super().__iter__))
+            raws = itertools.chain.from_iterable(from_workers(self, super().__iter__))
         to_batch = self.dataset.source.to_batch
         mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:
@@ -239,6 +239,13 @@ class PlanDataLoader(DataLoader):
             if self.pin_batches:
                 batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             yield batch if position is None else {**batch, POSITION: position}
+
+    def close(self) -> None:
+        """Shut the persistent workers down now (the DataModule's ``teardown``); the next iteration
+        starts new ones."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
     # Resume state lives in the DataModule (positions consumed, derived from the training loop).
     # These two methods only tell Lightning that this loader resumes exactly, so it does not warn.

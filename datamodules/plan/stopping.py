@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,14 +84,16 @@ def _recording(previous: Any) -> Any:
     return handler
 
 
-def from_workers(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """The items of a loader's worker iterator (``start()``: it starts or, persistent, resumes its
+def from_workers(loader: Any, start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The items of ``loader``'s worker iterator (``start()``: it starts or, persistent, resumes its
     workers); a worker's death raises ``WorkerDied`` here, at the next item, rather than from wherever
     the main thread happened to be when torch's SIGCHLD handler ran (mid backward, between collectives).
-    It keeps the iterator, never ``start`` (a method bound to the loader): a loader that keeps this
-    generator would otherwise be in a reference cycle with it, and when the garbage collector broke
-    that cycle the workers' shutdown came after their queues were closed: each worker waited out
-    torch's 5 s join before it was terminated (10 s for every dropped 2-worker stream loader)."""
+    It keeps the iterator and a weak reference to ``loader``, never ``start`` (a method bound to the
+    loader) or the loader itself: a loader that keeps this generator would otherwise be in a reference
+    cycle with it, and when the garbage collector broke that cycle the workers' shutdown came after
+    their queues were closed: each worker waited out torch's 5 s join before it was terminated (10 s
+    for every dropped 2-worker stream loader)."""
+    loader = weakref.ref(loader)
     items = None
     try:
         items = start()
@@ -109,7 +112,9 @@ def from_workers(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
             raise
         text = _deaths[0] if _deaths else str(error)
         _deaths.clear()
-        raise _worker_death(text, list(getattr(items, "_workers", []))) from error
+        # A persistent loader's workers may die as they resume, before ``start`` returned the iterator.
+        iterator = items if items is not None else getattr(loader(), "_iterator", None)
+        raise _worker_death(text, list(getattr(iterator, "_workers", []))) from error
 
 
 def stop_together(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:

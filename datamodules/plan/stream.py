@@ -137,7 +137,7 @@ class StreamLoader(DataLoader):
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._raws is None:
-            self._raws = from_workers(super().__iter__) if self.num_workers else super().__iter__()
+            self._raws = from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         remaining = self.epoch_batches()
         to_batch = self.dataset.stream.to_batch
         while remaining is None or remaining > 0:
@@ -146,6 +146,13 @@ class StreamLoader(DataLoader):
             batch = to_batch(raw)
             yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_batches else batch
             remaining = None if remaining is None else remaining - 1
+
+    def close(self) -> None:
+        """Shut the workers down now (the DataModule's ``teardown``); the next iteration starts the
+        readers again from the start."""
+        raws, self._raws = self._raws, None
+        if hasattr(raws, "close"):
+            raws.close()  # the worker iterator, released, shuts its workers down
 
     # Resume state lives in the DataModule (reader states at the loop's batch count); these only tell
     # Lightning that this loader resumes exactly, so it does not warn.
