@@ -24,6 +24,7 @@ import re
 import shutil
 import tarfile
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -334,7 +335,7 @@ def shard_locations(shards: str | list[str], storage_options: dict[str, Any] | N
             found += _matches(location, storage_options)
     if not found:
         raise ValueError(f"no tar shards in {shards!r}")
-    repeated = sorted({location for location in found if found.count(location) > 1})
+    repeated = sorted(location for location, count in Counter(found).items() if count > 1)
     if repeated:
         raise ValueError(f"tar shards named twice: {repeated[:3]}")
     return found

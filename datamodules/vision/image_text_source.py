@@ -15,11 +15,12 @@ from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.storage.remote_files import RemoteFiles
+from datamodules.storage.tar_index import Shards
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs
-from datamodules.vision.webdataset_rows import WEBDATASET, split_shards, webdataset_rows
+from datamodules.vision.webdataset_rows import WEBDATASET, WebDatasetRows, indexed_shards, split_shards
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -150,25 +151,28 @@ class ImageTextSource(SourceSpec):
             if clash:
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
 
+    def _shards(self, split: str) -> Shards:
+        """The tar shards of ``split``, indexed (``path="webdataset"``)."""
+        cache, compressed = self.load_kwargs.get("cache_dir"), self.load_kwargs.get("allow_compressed_tar", False)
+        return indexed_shards(split_shards(self.data_files, split), cache, self.storage_options, compressed)
+
     def _load(self, split: str) -> Any:
         if self.path == WEBDATASET:
             fields = {self.image_field: self.image_field, self.text_field: self.text_field}
             if self.prompt_field is not None:
                 fields[self.prompt_field] = self.prompt_field
-            shards = split_shards(self.data_files, split)
-            cache, compressed = self.load_kwargs.get("cache_dir"), self.load_kwargs.get("allow_compressed_tar", False)
-            return webdataset_rows(shards, fields, (self.image_field,), cache, self.storage_options, compressed)
+            return WebDatasetRows(self._shards(split), fields, (self.image_field,))
         return load_split(
             self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
         )
 
     def prepare(self) -> None:
-        # Loading once per node builds datasets' Arrow cache (or the tar shards' index), which every
+        # Once per node: datasets' Arrow cache, or the tar shards' index (not their rows), which every
         # rank then reads.
         if self.path == WEBDATASET or not is_saved_dataset(self.path, self.storage_options):
             for split in (self.split, self.val_split, self.test_split):
                 if split is not None:
-                    self._load(split)
+                    self._shards(split) if self.path == WEBDATASET else self._load(split)
 
     def _dataset(self, split: str) -> Any:
         import datasets

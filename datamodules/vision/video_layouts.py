@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
 from datamodules.storage.locations import is_url, join_location, storage_path
-from datamodules.vision.webdataset_rows import webdataset_rows
+from datamodules.storage.tar_index import Shards
+from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
 
 VIDEO_LAYOUTS: dict[str, type[VideoLayout]] = {}
 _ISO_DURATION = re.compile(r"^P(?:T)?(?:(\d+(?:\.\d+)?)H)?(?:(\d+(?:\.\d+)?)M)?(?:(\d+(?:\.\d+)?)S)?$")
@@ -98,6 +99,11 @@ class VideoLayout(ABC):
     def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         """The manifest's rows as a ``datasets.Dataset`` with the standard columns;
         ``train_manifest`` is given when ``manifest`` is the validation one."""
+
+    def prepare(self, manifest: str | list[str], train_manifest: Any = None) -> None:
+        """Once per node before ``load`` (``prepare_data``): reading the manifest builds datasets' Arrow
+        cache, which every rank then maps."""
+        self.load(manifest, train_manifest)
 
     def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         dataset = self.rows(manifest, train_manifest)
@@ -236,7 +242,7 @@ class HFLayout(VideoLayout):
 
 class WebDatasetLayout(VideoLayout):
     """WebDataset tar shards (as video2dataset writes them): each sample a clip and its caption, read
-    by member (``webdataset_rows``). The manifest names the shards, relative to ``data_root`` unless
+    by member (``WebDatasetRows``). The manifest names the shards, relative to ``data_root`` unless
     absolute: a brace pattern (``{00000..00099}.tar``), a glob, or a list (default: every ``.tar``).
 
     Args:
@@ -264,11 +270,15 @@ class WebDatasetLayout(VideoLayout):
         self.index_cache_dir = index_cache_dir
         self.allow_compressed_tar = allow_compressed_tar
 
-    def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
+    def _shards(self, manifest: str | list[str]) -> Shards:
         shards = [join_location(self.data_root, m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
-        return webdataset_rows(
-            shards, self.fields, ("video",), self.index_cache_dir, self.storage_options, self.allow_compressed_tar
-        )
+        return indexed_shards(shards, self.index_cache_dir, self.storage_options, self.allow_compressed_tar)
+
+    def prepare(self, manifest: str | list[str], train_manifest: Any = None) -> None:
+        self._shards(manifest)  # the index, not the rows
+
+    def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
+        return WebDatasetRows(self._shards(manifest), self.fields, ("video",))
 
     def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
         rows = self.rows(manifest, train_manifest)  # the members lie inside the shards: no path to check

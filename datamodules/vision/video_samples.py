@@ -131,7 +131,7 @@ class VideoSamples:
             if hasattr(self.dataset, "describe"):  # tar shards: the shard and the sample's key
                 where = f"{self.name} sample {self.dataset.describe(row_index)}"
             else:
-                where = f"{self.name} row {row_index} ({self.dataset[row_index]['video']})"
+                where = f"{self.name} row {row_index} ({row['video']})"  # a manifest's row is read before any failure
             if self.on_broken_clip == "raise":
                 raise BadSample(f"{where}: {err} (on_broken_clip='mask' keeps such clips with no loss)") from None
             # The sample keeps its shape: an empty prompt and answer (real tokens, so attention has

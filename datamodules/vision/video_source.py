@@ -106,11 +106,10 @@ class VideoSource(SourceSpec):
         self.sampler = frame_sampler(self.frame_sampling, self.max_frames, **self.frame_options)
 
     def prepare(self) -> None:
-        # Reading the manifests once per node builds datasets' Arrow cache, which every rank maps.
-        self.layout.load(self.manifest)
+        self.layout.prepare(self.manifest)
         for manifest in (self.val_manifest, self.test_manifest):
             if manifest is not None:
-                self.layout.load(manifest, self.manifest)
+                self.layout.prepare(manifest, self.manifest)
 
     def build(
         self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None

@@ -52,14 +52,15 @@ class WebDatasetRows:
         shard_ids, keys, starts, ends = [], [], [], []
         chosen: dict[str, list[tuple[int, int, int]]] = {field: [] for field in fields}  # (offset, size, choice)
         for number, index in enumerate(shards.indexes):
+            offsets, sizes = index.offsets.tolist(), index.sizes.tolist()  # Python ints: this loop is per member
             for key, present in index.samples():
                 picks = {
                     field: next(((n, present[m]) for n, (m, _) in enumerate(choices) if m in present), None)
                     for field, choices in self.choices.items()
                 }
                 used = [pick[1] for pick in picks.values() if pick is not None] or [next(iter(present.values()))]
-                start = int(min(index.offsets[m] for m in used))
-                end = int(max(index.offsets[m] + index.sizes[m] for m in used))
+                start = min(offsets[m] for m in used)
+                end = max(offsets[m] + sizes[m] for m in used)
                 shard_ids.append(number)
                 keys.append(key)
                 starts.append(start)
@@ -68,7 +69,7 @@ class WebDatasetRows:
                     if pick is None:
                         chosen[field].append((-1, 0, -1))
                     else:
-                        chosen[field].append((int(index.offsets[pick[1]]) - start, int(index.sizes[pick[1]]), pick[0]))
+                        chosen[field].append((offsets[pick[1]] - start, sizes[pick[1]], pick[0]))
         self.shard_ids = np.array(shard_ids, dtype=np.int32)
         self.keys = np.array([key.encode("utf-8", errors="surrogateescape") for key in keys], dtype=bytes)
         self.starts = np.array(starts, dtype=np.int64)
@@ -187,16 +188,10 @@ def split_shards(data_files: str | list[str] | dict[str, Any] | None, split: str
     return data_files
 
 
-def webdataset_rows(
-    shards: str | list[str],
-    fields: dict[str, str],
-    media: tuple[str, ...],
-    cache_dir: str | None,
-    storage_options: dict[str, Any] | None,
-    allow_compressed: bool = False,
-) -> WebDatasetRows:
-    """``WebDatasetRows`` of the shards ``shards`` names, indexed (or their indexes read from ``cache_dir``)."""
+def indexed_shards(
+    shards: str | list[str], cache_dir: str | None, storage_options: dict[str, Any] | None, allow_compressed: bool
+) -> Shards:
+    """The shards ``shards`` names, indexed (or their indexes read from ``cache_dir``): what
+    ``prepare_data`` builds once per node, without the rows."""
     locations = shard_locations(shards, storage_options)
-    return WebDatasetRows(
-        index_shards(locations, cache_dir, storage_options, allow_compressed=allow_compressed), fields, media
-    )
+    return index_shards(locations, cache_dir, storage_options, allow_compressed=allow_compressed)

@@ -15,7 +15,7 @@ import torch
 from datamodules import ImageTextDataModule
 from datamodules.plan.bad_samples import BadSample
 from datamodules.storage.tar_index import shard_locations
-from datamodules.vision.webdataset_rows import webdataset_rows
+from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
 from tests.storage.tar_data import tar_of
 from tests.support import fit_records
 from tests.vision.image_data import caption, encoded, image_folder, picture, tokenizer_for
@@ -45,6 +45,10 @@ def make_dm(tokenizer: str, path: str, cache: Path, **kwargs: object) -> ImageTe
     return ImageTextDataModule(path, **{**options, **kwargs})
 
 
+def rows_of(shards: str, fields: dict[str, str], media: tuple[str, ...], tmp_path: Path) -> WebDatasetRows:
+    return WebDatasetRows(indexed_shards(shards, str(tmp_path / "idx"), None, False), fields, media)
+
+
 def batches(dm: ImageTextDataModule, epochs: int = 1) -> list[dict]:
     dm.prepare_data()
     dm.setup("fit")
@@ -54,7 +58,7 @@ def batches(dm: ImageTextDataModule, epochs: int = 1) -> list[dict]:
 def test_samples_are_webdatasets_own_and_datasets_builders_own(tmp_path: Path) -> None:
     folder = image_folder(tmp_path / "images", 10)
     pattern = shards_of_folder(folder, tmp_path / "shards", per_shard=4)
-    rows = webdataset_rows(pattern, {"jpg;png": "jpg;png", "txt": "txt"}, ("jpg;png",), str(tmp_path / "idx"), None)
+    rows = rows_of(pattern, {"jpg;png": "jpg;png", "txt": "txt"}, ("jpg;png",), tmp_path)
     theirs = list(wds.WebDataset(pattern, shardshuffle=False))
     assert len(rows) == len(theirs) == 10
     for i, sample in enumerate(theirs):
@@ -63,7 +67,7 @@ def test_samples_are_webdatasets_own_and_datasets_builders_own(tmp_path: Path) -
         assert rows[i]["jpg;png"]["bytes"] == image and rows[i]["txt"] == sample["txt"].decode()
     # datasets' builder wants one set of fields in every sample: the images under one key.
     pattern = shards_of_folder(folder, tmp_path / "one-key", per_shard=4, image_key="img")
-    rows = webdataset_rows(pattern, {"img": "img", "q": "json:question"}, ("img",), str(tmp_path / "idx"), None)
+    rows = rows_of(pattern, {"img": "img", "q": "json:question"}, ("img",), tmp_path)
     builder = datasets.load_dataset("webdataset", data_files={"train": shard_locations(pattern)}, split="train")
     assert len(builder) == len(rows) == 10
     for i, row in enumerate(builder):
@@ -98,13 +102,13 @@ def test_keys_follow_webdatasets_rule_with_members_in_any_order(tmp_path: Path) 
             ("noextension", b"skipped too"),
         ],
     )
-    rows = webdataset_rows(str(shard), {"i": "jpg;png", "t": "txt;seg.txt"}, ("i",), str(tmp_path / "idx"), None)
+    rows = rows_of(str(shard), {"i": "jpg;png", "t": "txt;seg.txt"}, ("i",), tmp_path)
     theirs = list(wds.WebDataset(str(shard), shardshuffle=False))
     assert [rows.describe(i).rsplit(":", 1)[1] for i in range(len(rows))] == [s["__key__"] for s in theirs]
     assert [s["__key__"] for s in theirs] == ["dir.v2/a.b/x", "y"]
     assert rows[0] == {"i": {"bytes": jpg, "path": f"{shard}:dir.v2/a.b/x.jpg"}, "t": "first"}
     assert rows[1]["t"] == "second"
-    rows = webdataset_rows(str(shard), {"i": "png;jpg", "t": "txt"}, ("i",), str(tmp_path / "idx"), None)
+    rows = rows_of(str(shard), {"i": "png;jpg", "t": "txt"}, ("i",), tmp_path)
     assert rows[0]["i"]["bytes"] == png
     with pytest.raises(BadSample, match="it has no .txt member"):
         rows[1]
