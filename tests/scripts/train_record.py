@@ -33,6 +33,7 @@ from pathlib import Path
 _TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_TESTS.parent))
 
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
@@ -295,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
             "validation_tokens": validation_tokens(datamodule),
         }
         Path(f"{args.info}.rank{trainer.global_rank}").write_text(json.dumps(info))
+    if dist.is_initialized():
+        # Lightning leaves the process group up; a gloo group still up at interpreter exit can abort the
+        # process ("terminate called without an active exception", pytorch/pytorch#190489).
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
