@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, views
 from datamodules.plan.stopping import STOP
 from datamodules.speculative.conversation_rows import ConversationRows
 from datamodules.speculative.generation_client import CircuitBreaker
+from datamodules.speculative.hidden_states_store import StoredBytes
 from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import Outcome, StateFetcher
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 MISSING_POLICIES = ("generate", "skip", "warn", "raise")
 NOISES = ("uniform", "gaussian")
 Batch = dict[str, torch.Tensor]
+TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")
 
 
 class HiddenStateRows(ConversationRows):
@@ -109,6 +112,7 @@ class HiddenStateRows(ConversationRows):
         self.details = {"rows": f"[{first}, {stop})", "total_seq_len": total_seq_len}
         self.bad_samples = BadSampleLog("hidden states of %s missing or invalid (%s): not trained on")
         self.breaker = CircuitBreaker(max_failures)
+        self.buffers = RecycledBuffers()
 
     @classmethod
     def join(cls, parts: list[HiddenStateRows]) -> HiddenStateRows:
@@ -154,17 +158,19 @@ class HiddenStateRows(ConversationRows):
         self, span: list[list[int]], keys: np.ndarray, tokens: dict, outcomes: dict[int, Outcome]
     ) -> dict[str, Any]:
         rows, length = len(span), self.total_seq_len
-        # In a worker, made in shared memory: the message to the main process then passes it, not a copy.
-        shared = torch.utils.data.get_worker_info() is not None
-        batch = {
-            "input_ids": new_tensor((rows, length), torch.int64, shared, 0),
-            "loss_mask": new_tensor((rows, length), torch.int64, shared, 0),
-            "position_ids": new_tensor((rows, length), torch.int64, shared, 0),
-            "document_ids": new_tensor((rows, length), torch.int64, shared, -1),
-        }
+        # One buffer for the whole micro-batch, reused once nothing refers to it (``RecycledBuffers``);
+        # in a worker, in shared memory: the message to the main process then passes it, not a copy.
+        layout = {key: ((rows, length), torch.int64) for key in (*TOKEN_KEYS, "document_ids")}
         # Every layer of a conversation in one contiguous copy, in the layout the files have; the
         # auxiliary layers and the last are views of it. Padding is zeroed once a row is filled.
-        states = new_tensor((rows, length, self.layers, self.hidden_size), self.dtype, shared)
+        layout["states"] = ((rows, length, self.layers, self.hidden_size), self.dtype)
+        shared = torch.utils.data.get_worker_info() is not None
+        buffer, ticket = self.buffers.take(nbytes_of(layout), shared)
+        batch = views(buffer, layout)
+        for key in TOKEN_KEYS:
+            batch[key].zero_()
+        batch["document_ids"].fill_(-1)
+        states = batch.pop("states")
         skipped: list[tuple[str, str]] = []
         generated: list[bool] = []  # in generation mode: whether each conversation's states came, in order
         for b, (conversations, key) in enumerate(zip(span, keys.tolist(), strict=True)):
@@ -182,7 +188,7 @@ class HiddenStateRows(ConversationRows):
                 batch["loss_mask"][b, at] = torch.tensor(ids["loss_mask"][:n])
                 batch["position_ids"][b, at] = torch.arange(n)
                 batch["document_ids"][b, at] = document
-                states[b, at] = outcome.states["hidden_states"][:n]  # one copy, cast to dtype on the way
+                copy_states(states[b, at], outcome.states["hidden_states"])
                 filled, document = filled + n, document + 1
             states[b, filled:] = 0
             if self.noise_std > 0 and filled:
@@ -190,7 +196,7 @@ class HiddenStateRows(ConversationRows):
         # Layers 1..L-1 side by side and the last layer: views of the one buffer (rows of stride L x H).
         batch["hidden_states"] = states[:, :, :-1].flatten(2)
         batch["verifier_last_hidden_states"] = states[:, :, -1]
-        return {**batch, "skipped": skipped, "generated": generated}
+        return {**batch, "skipped": skipped, "generated": generated, "ticket": ticket}
 
     def _add_noise(self, hidden: torch.Tensor, key: int) -> None:
         generator = torch.Generator().manual_seed(key & (2**63 - 1))
@@ -202,7 +208,8 @@ class HiddenStateRows(ConversationRows):
 
     def to_batch(self, raw: dict[str, Any]) -> Batch:
         self.bad_samples.record(raw["skipped"])
-        batch = {key: value for key, value in raw.items() if key not in ("skipped", "generated", "valid")}
+        self.buffers.hold(raw["input_ids"], raw["ticket"])
+        batch = {key: value for key, value in raw.items() if key not in ("skipped", "generated", "valid", "ticket")}
         batch = self.preprocess(batch) if self.preprocess is not None else batch
         stop = self.breaker.record(raw["generated"], raw["skipped"])
         return batch if stop is None else {**batch, STOP: stop}
@@ -212,11 +219,12 @@ class HiddenStateRows(ConversationRows):
         batch["loss_mask"][invalid] = 0
 
 
-def new_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool, fill: int | None = None) -> torch.Tensor:
-    """A tensor of ``shape``, made in shared memory if ``shared`` (no copy into it later), filled with
-    ``fill`` unless ``None`` (left unset, to be written whole)."""
-    if not shared:
-        return torch.empty(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
-    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
-    return tensor if fill is None else tensor.fill_(fill)
+def copy_states(out: torch.Tensor, states: torch.Tensor | StoredBytes) -> None:
+    """The first ``len(out)`` positions of ``states`` into ``out``: one copy, cast to ``out``'s dtype on
+    the way; bytes in a local file of that dtype are read into ``out`` directly."""
+    if isinstance(states, StoredBytes) and states.dtype == out.dtype:
+        states.read_into(out)
+    elif isinstance(states, StoredBytes):
+        out.copy_(load_file(states.path)["hidden_states"][: len(out)])
+    else:
+        out.copy_(states[: len(out)])

@@ -8,6 +8,7 @@ import json
 import os
 import re
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,32 @@ from datamodules.storage.locations import is_url
 from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 
 States = dict[str, torch.Tensor]  # ``hidden_states`` [T, L, H] and ``token_ids`` [T]
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """A ``[T, L, H]`` tensor of ``dtype`` at ``offset`` in the local file ``path``."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """The first ``len(out)`` positions, read into the contiguous ``out`` of ``dtype`` by the kernel
+        (one copy from the page cache; no mapping of the file to set up, fault in and tear down)."""
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        done = 0
+        with open(self.path, "rb", buffering=0) as f:
+            while done < len(view):
+                read = os.preadv(f.fileno(), [view[done:]], self.offset + done)
+                if read == 0:
+                    raise BadSample(f"{self.path} ends {len(view) - done} bytes early: it changed while read")
+                done += read
 
 
 class HiddenStatesStore(ABC):
@@ -51,6 +78,11 @@ class HiddenStatesStore(ABC):
 
     def cached_indices(self) -> list[int] | None:
         """The rows with cached states, from one listing; ``None`` when the store cannot list."""
+        return None
+
+    def stored_bytes(self, index: int) -> StoredBytes | None:
+        """Where row ``index``'s ``hidden_states`` lie in a local file, for a reader that has validated
+        them to read them again straight into a batch; ``None`` (default): read through ``lookup``."""
         return None
 
     @abstractmethod
@@ -117,6 +149,19 @@ class HiddenStateFiles(HiddenStatesStore):
         if not shape or len(shape) != 3:
             raise BadSample(f"{path} holds no hidden_states tensor [T, L, H] (its tensors: {sorted(header)})")
         return int(shape[1]), int(shape[2])
+
+    def stored_bytes(self, index: int) -> StoredBytes | None:
+        path = self.path(index)
+        if is_url(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                entry = json.loads(f.read(size))["hidden_states"]
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            return StoredBytes(path, 8 + size + entry["data_offsets"][0], tuple(entry["shape"]), dtype)
+        except (OSError, ValueError, KeyError):
+            return None  # read through lookup
 
     def cached_indices(self) -> list[int]:
         names = [Path(str(name)).name for name in self.files.list_names(self.directory)]

@@ -12,7 +12,7 @@ import torch
 
 from datamodules.plan.bad_samples import BadSample
 from datamodules.speculative.generation_client import GenerationClient, GenerationFailed, InvalidResponse
-from datamodules.speculative.hidden_states_store import HiddenStatesStore, States, check_states
+from datamodules.speculative.hidden_states_store import HiddenStatesStore, States, StoredBytes, check_states
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class StateFetcher:
         self.client, self.on_generate, self.validation_retries = client, on_generate, validation_retries
         self.threads = threads
         self._pool: ThreadPoolExecutor | None = None
-        # Rows whose stored states this process validated, by the version it saw: a later pass skips
-        # the check (a full read of the states) unless the file changed.
-        self._validated: dict[int, tuple[int, ...]] = {}
+        # Rows whose stored states this process validated, by the version it saw, and where their bytes
+        # lie: a later pass skips the check (a full read of the states) unless the file changed.
+        self._validated: dict[int, tuple[tuple[int, ...], StoredBytes | None]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pool": None, "_validated": {}}  # each worker opens its own threads
@@ -77,15 +77,19 @@ class StateFetcher:
         try:
             # The version is taken before the read: a file replaced in between is checked again next time.
             version = self.store.version(row)
+            known = self._validated.get(row)
+            valid = known is not None and version is not None and known[0] == version
+            if valid and known[1] is not None:
+                return Outcome({"hidden_states": known[1]})  # read later, straight into the batch
             states = self.store.lookup(row)
             if states is None:
                 reason = "missing"
-            elif version is not None and self._validated.get(row) == version:
+            elif valid:
                 reason = None
             else:
                 reason = self.check(states, input_ids)
                 if reason is None and version is not None:
-                    self._validated[row] = version
+                    self._validated[row] = (version, self.store.stored_bytes(row))
         except BadSample as err:
             reason = str(err)
         if reason is None:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from datamodules import HiddenStatesDataModule
 from datamodules.plan.bad_samples import BadSample
 from datamodules.speculative.hidden_states_datamodule import train_rows
+from datamodules.speculative.hidden_states_store import StoredBytes
 from datamodules.speculative.preprocess import rename_for_mtp, shift_tokens_left
 from tests.speculative.speculative_data import HIDDEN, conversations, speculative_dataset
 from tests.support import RecordingModel, batch_digest, quiet_trainer, real_rows, row_digest, sample_digests
@@ -306,6 +307,37 @@ def test_workers_get_no_length_list_and_repack_the_same_rows(data_dir: Path) -> 
     assert shipped.packed is None  # the lengths and rows stay in the parent; a worker re-packs from the column
     args = (np.array([3]), np.array([7], dtype=np.uint64), np.array([1]))
     assert torch.equal(shipped.fetch(*args)["input_ids"], source.fetch(*args)["input_ids"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_states_read_again_straight_from_their_files_equal_the_first_read(data_dir: Path, dtype: str) -> None:
+    # The files hold float32: read into a float32 batch by the kernel, or loaded and cast into a bf16 one.
+    source = datamodule(data_dir, dtype=dtype)._train
+    args = (np.array([2]), np.array([5], dtype=np.uint64), np.array([0]))
+    first = {k: v.clone() for k, v in source.fetch(*args).items() if isinstance(v, torch.Tensor)}
+    conversation = source.first + int(source.packed.row(0, 2)[0])
+    ids = torch.tensor(dataset_rows(data_dir)[conversation]["input_ids"])
+    assert isinstance(source.fetcher.fetch(conversation, ids).states["hidden_states"], StoredBytes)
+    again = source.fetch(*args)
+    assert all(torch.equal(again[k], v) for k, v in first.items()) and first["hidden_states"].dtype == getattr(
+        torch, dtype
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_still_held_is_never_overwritten_and_the_others_memory_is_reused(data_dir: Path, workers: int) -> None:
+    dm = datamodule(data_dir, num_workers=workers)
+    kept, copies, dropped = [], [], set()
+    for epoch in range(2):
+        for step, batch in enumerate(dm.train_dataloader()):
+            if epoch == 0 and step in (0, 3, 6):  # a training step that keeps its batch (a logger, a callback)
+                kept.append(batch)
+                copies.append({k: v.clone() for k, v in batch.items()})
+            else:
+                dropped.add(batch["hidden_states"].untyped_storage().data_ptr())
+    assert all(torch.equal(b[k], c[k]) for b, c in zip(kept, copies, strict=True) for k in c)
+    if workers == 0:  # every batch let go of came from the pool (in workers, each is mapped anew here)
+        assert dropped <= {storage.data_ptr() for storage in dm._train.buffers._storages}
 
 
 # Exact resume through Trainer.fit: 60 rows, 54 training conversations in ~20 packed rows a pass,

@@ -1,0 +1,50 @@
+"""RecycledBuffers: a batch's memory is reused only once nothing refers to it."""
+
+from __future__ import annotations
+
+import torch
+
+from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, views
+
+
+def test_in_process_a_buffer_is_reused_only_once_no_tensor_refers_to_it() -> None:
+    buffers = RecycledBuffers(slots=2)
+    first, ticket = buffers.take(1024, shared=False)
+    assert ticket is None and first.numel() >= 1024
+    pointer, held = first.data_ptr(), first[4:8]  # a view keeps the storage too
+    del first
+    second, _ = buffers.take(1024, shared=False)
+    assert second.data_ptr() != pointer
+    del held, second
+    assert buffers.take(1024, shared=False)[0].data_ptr() == pointer
+
+
+def test_a_full_pool_makes_one_off_buffers_and_a_larger_request_replaces_a_free_one() -> None:
+    buffers = RecycledBuffers(slots=1)
+    kept, _ = buffers.take(64, shared=False)
+    extra, _ = buffers.take(64, shared=False)  # the one slot is in use
+    assert extra.data_ptr() != kept.data_ptr()
+    del kept, extra
+    larger, _ = buffers.take(4096, shared=False)
+    assert larger.numel() >= 4096
+
+
+def test_a_workers_buffer_comes_back_only_when_the_main_process_lets_go_of_it() -> None:
+    worker, main = RecycledBuffers(slots=2), RecycledBuffers()
+    received, ticket = worker.take(256, shared=True)
+    assert received.is_shared() and ticket is not None
+    main.hold(received, ticket)
+    assert worker.take(256, shared=True)[0].data_ptr() != received.data_ptr()  # still held: a second slot
+    pointer = received.data_ptr()
+    del received
+    main.release()
+    assert worker.take(256, shared=True)[0].data_ptr() == pointer
+
+
+def test_views_lay_tensors_out_one_after_another_without_overlap() -> None:
+    layout = {"ids": ((3, 5), torch.int64), "states": ((3, 5, 2, 4), torch.bfloat16), "mask": ((3,), torch.uint8)}
+    tensors = views(torch.empty(nbytes_of(layout), dtype=torch.uint8), layout)
+    for value, tensor in enumerate(tensors.values()):
+        tensor.fill_(value + 1)
+    assert [int(t.flatten()[0]) for t in tensors.values()] == [1, 2, 3]
+    assert all(t.is_contiguous() and tuple(t.shape) == layout[k][0] for k, t in tensors.items())
