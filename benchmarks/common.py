@@ -25,6 +25,23 @@ VOCAB_SIZE = 50_257  # GPT-2's: fits uint16, like most token shards in practice
 _WRITE_CHUNK = 1 << 24  # tokens generated and written per step, so memory stays flat at any size
 
 
+def peer_venv(name: str, installs: Sequence[Sequence[str]], create: bool) -> str | None:
+    """The Python of ``benchmarks/.venvs/<name>``, a virtual environment for a peer whose pins conflict
+    with ours: created (minutes) if missing and ``create``, by one ``pip install`` per entry of
+    ``installs``; ``None`` when it is missing and not created."""
+    import subprocess
+    import sys
+
+    venv = ROOT / "benchmarks" / ".venvs" / name
+    python = venv / "bin" / "python"
+    if not python.exists() and create:
+        print(f"creating {venv} (its pins conflict with ours)...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        for packages in installs:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    return str(python) if python.exists() else None
+
+
 def result_of(command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``command`` (a measurement in a fresh process, from the repository root, in ``env``) and return
     the JSON it printed on a ``RESULT `` line, or ``{"error": ...}`` with its last line of stderr."""

@@ -8,7 +8,10 @@
 3. Cached states: conversations/s and GB/s of safetensors read by the loader (``num_workers`` 0 and 2)
    against a bare loop over the same files (the floor): ``safetensors.torch.load_file``, then every
    tensor copied into a preallocated buffer (``load_file`` maps the file; the copy reads its bytes, as
-   packing them into a row must).
+   packing them into a row must). Side by side, speculators' own loader over the same folder
+   (``benchmarks/speculators_loader.py``, its ``ArrowDataset`` and ``_setup_dataloader``, in a fresh
+   process of ``benchmarks/.venvs/speculators``, which this script creates unless ``--quick`` or
+   ``--no-venvs``: speculators pins ``datasets`` and ``transformers`` below ours).
 
 4. Worker start: seconds to the first 5 batches with 2 workers started by ``fork`` and by ``spawn``
    (what ``worker_start_method=None`` chooses between).
@@ -30,7 +33,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.common import add_run_arguments, data_directory, report, results_directory, warm_page_cache
+from benchmarks.common import (
+    add_run_arguments,
+    data_directory,
+    peer_venv,
+    report,
+    result_of,
+    results_directory,
+    warm_page_cache,
+)
 from datamodules import HiddenStatesDataModule
 from datamodules.speculative.hidden_states_store import HiddenStateFiles
 from examples.default_conversations import tiny_verifier
@@ -115,6 +126,27 @@ def bare_loop(paths: list[Path], seconds: float) -> float:
     return files / elapsed
 
 
+# speculators 0.9.0 without torchaudio (a dependency its data path never imports; no torchaudio wheel
+# on the index matches torch 2.14.1), so one install per line.
+SPECULATORS_INSTALL = [
+    ["torch==2.14.1", "torchvision==0.29.1"],
+    ["--no-deps", "speculators==0.9.0", "hs-connectors==0.9.0"],
+    ["aiohttp", "click", "datasets>=4,<=5.1.0", "httpx", "huggingface-hub", "loguru>=0.7.2,<=0.7.3", "numpy>=2,<=2.5.4"]
+    + ["openai>=2", "protobuf", "psutil", "pydantic>=2", "pydantic-settings>=2", "rich", "safetensors"]
+    + ["tqdm>=4.66.3,<=4.70.1", "transformers>=5,<=5.19.0", "typer>=0.12"],
+]
+
+
+def speculators_rate(python: str, data: Path, width: int, workers: int, seconds: float) -> float:
+    """Conversations/s of speculators' own loader over ``data`` (a fresh process; start-up excluded)."""
+    command = [python, "benchmarks/speculators_loader.py", "--data", str(data), "--total-seq-len", "2048"]
+    command += ["--hidden-size", str(width), "--num-workers", str(workers), "--seconds", str(seconds)]
+    result = result_of(command, timeout=600)
+    if "error" in result:
+        raise RuntimeError(f"speculators' loader: {result['error']}")
+    return result["rate"]
+
+
 def first_batches(data: Path, method: str, count: int) -> float:
     """Seconds from ``iter(train_dataloader())`` to its ``count``-th batch, workers started by ``method``."""
     dm = HiddenStatesDataModule(str(data), total_seq_len=2048, num_workers=2, worker_start_method=method)
@@ -133,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-venvs", action="store_true", help="do not create speculators' venv if it is missing")
     args = parser.parse_args(argv)
     quick = args.quick
     seconds, rounds = (0.5, 1) if quick else (5.0, args.rounds)
@@ -180,14 +213,18 @@ def main(argv: list[str] | None = None) -> None:
             dm.setup("fit")
         per_file = file_bytes / len(paths) / 1e9
         contenders = {
-            "bare loop: load_file + copy": None,
-            **{f"loader, num_workers={w}": dm for w, dm in loaders.items()},
+            "bare loop: load_file + copy": lambda: bare_loop(paths, seconds),
+            **{
+                f"loader, num_workers={w}": (lambda dm=dm: rate(dm.train_dataloader(), seconds))
+                for w, dm in loaders.items()
+            },
         }
-        reads = medians(
-            contenders,
-            rounds,
-            lambda dm: bare_loop(paths, seconds) if dm is None else rate(dm.train_dataloader(), seconds),
-        )
+        speculators = peer_venv("speculators", SPECULATORS_INSTALL, create=not (quick or args.no_venvs))
+        for w in (0, 2) if speculators else ():
+            contenders[f"speculators 0.9.0 loader, num_workers={w}"] = lambda w=w: speculators_rate(
+                speculators, cached, width, w, seconds
+            )
+        reads = medians(contenders, rounds, lambda measure: measure())
         floor = reads["bare loop: load_file + copy"]
         tables[f"Cached states: {len(paths)} files, {file_bytes / 1e6:,.0f} MB, bf16 [T, 3, {width}]"] = (
             ["reader", "conversations/s", "GB/s", "of the floor"],
@@ -205,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             ["worker_start_method", "seconds", "vs fork"],
             [{"worker_start_method": m, "seconds": t, "vs fork": t / starts["fork"]} for m, t in starts.items()],
         )
+        for w in (0, 2):
+            ours = reads[f"loader, num_workers={w}"] / floor
+            checks[f"cached states, num_workers={w}: >= 0.7 of the floor ({ours:.2f})"] = ours >= 0.7
         checks[f"fork starts workers faster than spawn ({starts['spawn'] / starts['fork']:.1f}x)"] = (
             starts["fork"] < starts["spawn"]
         )

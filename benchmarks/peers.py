@@ -31,12 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, add_run_arguments, data_directory, report, result_of, results_directory
+from benchmarks.common import add_run_arguments, data_directory, peer_venv, report, result_of, results_directory
 from benchmarks.peer_loaders.corpus import write_corpus
 from benchmarks.peer_loaders.protocol import Setup
 
-MOSAIC_VENV = ROOT / "benchmarks" / ".venvs" / "mosaic"
-MOSAIC_INSTALL = ["torch==2.14.1", "mosaicml-streaming==0.13.0"]
+MOSAIC_INSTALL = [["torch==2.14.1", "mosaicml-streaming==0.13.0"]]
 
 
 @dataclass(frozen=True)
@@ -68,21 +67,11 @@ MEMORY_RESOLUTION_MB = 5
 IMPORTS = {"peer_litdata": "litdata", "peer_mosaic": "streaming", "peer_torchdata": "torchdata"}
 
 
-def mosaic_python(create: bool) -> str | None:
-    """The Mosaic venv's interpreter, created (about 2 minutes) if missing and ``create``."""
-    python = MOSAIC_VENV / "bin" / "python"
-    if not python.exists() and create:
-        print(f"creating {MOSAIC_VENV} for Mosaic streaming (its pins conflict with ours)...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(MOSAIC_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *MOSAIC_INSTALL], check=True)
-    return str(python) if python.exists() else None
-
-
 def interpreters(create_venvs: bool) -> dict[str, str | None]:
     """The Python that runs each contender module, or None where its library is not installed."""
     found: dict[str, str | None] = {}
     for module in dict.fromkeys(c.module for c in CONTENDERS):
-        python = mosaic_python(create_venvs) if module == "peer_mosaic" else sys.executable
+        python = peer_venv("mosaic", MOSAIC_INSTALL, create_venvs) if module == "peer_mosaic" else sys.executable
         library = IMPORTS.get(module)
         if python is not None and library is not None:
             probe = subprocess.run([python, "-c", f"import {library}"], capture_output=True)
