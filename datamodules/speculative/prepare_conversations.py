@@ -16,10 +16,12 @@ import json
 import logging
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 
 from datamodules.plan.arguments import program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained, load_split, one_line
@@ -56,13 +58,20 @@ def messages_of(row: dict[str, Any], system_prompt: str | None = None) -> list[d
 
 
 class ConversationTokenizer:
-    """Token ids and assistant mask of one conversation, by the tokenizer's chat template.
+    """Token ids and assistant mask of conversations, by the tokenizer's chat template.
 
     With ``{% generation %}`` markers in the template, the mask is ``transformers``' own
     (``return_assistant_tokens_mask``). Without, each assistant turn's span is where the rendering of
     the conversation through that turn extends the rendering of the turns before it plus the
     generation prompt; tokens starting inside a span are the turn's (character offsets of the fast
     tokenizer), which is what speculators obtains from vLLM's render endpoint.
+
+    Those prefix renderings cost one template run per turn boundary. A template that writes each
+    message's content verbatim, once, around a scaffold that depends on the roles only (most do) needs
+    them once per sequence of roles: rendered with placeholder contents (``_Scaffold``), every prefix's
+    length is the scaffold's plus the lengths of the contents it holds. Each conversation's own full
+    rendering is checked against that (its length, and each content where the scaffold puts it); one
+    that does not match is rendered prefix by prefix.
     """
 
     def __init__(self, tokenizer: str, chat_template: str | None = None) -> None:
@@ -74,28 +83,95 @@ class ConversationTokenizer:
             raise ConversationError(f"tokenizer {tokenizer!r} has no chat template; pass --chat-template FILE")
         self.marked = "{% generation %}" in self.tokenizer.chat_template
         # The generation prompt's length: what it adds after a turn.
-        probe = [{"role": "user", "content": "x"}]
-        with_prompt = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-        self._prompt = len(with_prompt) - len(self.tokenizer.apply_chat_template(probe, tokenize=False))
+        self._prompt = len(self.render([{"role": "user", "content": "x"}], True)) - len(
+            self.render([{"role": "user", "content": "x"}])
+        )
+        self._scaffolds: dict[tuple[str, ...], _Scaffold | None] = {}
 
-    def __call__(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def render(self, messages: list[dict[str, str]], prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+    def __call__(self, conversations: list[list[dict[str, str]]]) -> list[tuple[list[int], list[int]]]:
+        """``(input_ids, loss_mask)`` of each conversation."""
         if self.marked:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            out = self.tokenizer.apply_chat_template(
+                conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
-            return list(rendered["input_ids"]), list(rendered["assistant_masks"])
-        render = self.tokenizer.apply_chat_template
-        text = render(messages, tokenize=False)
+            return list(zip(out["input_ids"], out["assistant_masks"], strict=True))
+        texts = self.tokenizer.apply_chat_template(conversations, tokenize=False)
+        spans = [self._spans(messages, text) for messages, text in zip(conversations, texts, strict=True)]
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        rows = []
+        for ids, offsets, turns in zip(encoded["input_ids"], encoded["offset_mapping"], spans, strict=True):
+            starts = np.fromiter((first for first, _ in offsets), dtype=np.int64, count=len(offsets))
+            mask = np.zeros(len(ids), dtype=np.int64)
+            for a, b in turns:  # the tokens starting in [a, b): offsets are in order
+                mask[np.searchsorted(starts, a) : np.searchsorted(starts, b)] = 1
+            rows.append((ids, mask.tolist()))
+        return rows
+
+    def _spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """The character spans of ``messages``' assistant turns in their rendering ``text``."""
+        roles = tuple(m["role"] for m in messages)
+        if not roles:
+            return []
+        if roles not in self._scaffolds:
+            try:
+                self._scaffolds[roles] = _Scaffold.of(self, roles)
+            except Exception:  # a template that refuses placeholders: the conversation itself decides
+                self._scaffolds[roles] = None
+        scaffold = self._scaffolds[roles]
+        if scaffold is not None:
+            spans = scaffold.spans([m["content"] for m in messages], text, self._prompt)
+            if spans is not None:
+                return spans
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            # A conversation opening with an assistant turn has no turns before it to render.
-            start = len(render(messages[:i], tokenize=False, add_generation_prompt=True)) if i else self._prompt
-            spans.append((start, len(render(messages[: i + 1], tokenize=False))))
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        mask = [int(any(a <= first < b for a, b in spans)) for first, _ in encoded["offset_mapping"]]
-        return list(encoded["input_ids"]), mask
+            if message["role"] == "assistant":
+                # A conversation opening with an assistant turn has no turns before it to render.
+                start = len(self.render(messages[:i], True)) if i else self._prompt
+                spans.append((start, len(self.render(messages[: i + 1]))))
+        return spans
+
+
+@dataclass
+class _Scaffold:
+    """A chat template's rendering of one sequence of roles with every content empty: where each content
+    goes in the full rendering, its length, and each assistant turn's span ends ``(turn, start, end)``
+    (``start`` ``None`` for an opening turn, whose span starts after the generation prompt)."""
+
+    content_starts: list[int]
+    length: int
+    turns: list[tuple[int, int | None, int]]
+
+    @classmethod
+    def of(cls, tokenizer: ConversationTokenizer, roles: tuple[str, ...]) -> _Scaffold | None:
+        """``None`` when the template does not write each (placeholder) content once, verbatim, in order."""
+        marks = [f"\ue000{i:06d}\ue001" for i in range(len(roles))]  # private-use characters, equal widths
+        width = len(marks[0]) if marks else 0
+        messages = [{"role": role, "content": mark} for role, mark in zip(roles, marks, strict=True)]
+        text = tokenizer.render(messages)
+        starts = [text.find(mark) for mark in marks]
+        if any(text.count(mark) != 1 for mark in marks) or starts != sorted(starts):
+            return None
+        turns = []
+        for i, role in enumerate(roles):
+            if role == "assistant":
+                start = len(tokenizer.render(messages[:i], True)) - i * width if i else None
+                turns.append((i, start, len(tokenizer.render(messages[: i + 1])) - (i + 1) * width))
+        return cls([at - i * width for i, at in enumerate(starts)], len(text) - len(marks) * width, turns)
+
+    def spans(self, contents: list[str], text: str, prompt: int) -> list[tuple[int, int]] | None:
+        """The assistant spans of a conversation with ``contents`` rendered as ``text``; ``None`` when
+        ``text`` is not this scaffold around those contents."""
+        before = [0]  # the length of the contents before each message
+        for content in contents:
+            before.append(before[-1] + len(content))
+        if len(text) != self.length + before[-1]:
+            return None
+        if not all(text.startswith(c, at + b) for c, at, b in zip(contents, self.content_starts, before, strict=False)):
+            return None
+        return [(prompt if a is None else a + before[i], b + before[i + 1]) for i, a, b in self.turns]
 
 
 def _tokenize(
@@ -104,8 +180,7 @@ def _tokenize(
     """The rows of a batch of conversations; one without an assistant token (after truncation) is left out."""
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "truncated": []}
-    for row in rows:
-        ids, mask = tokenizer(messages_of(row, system_prompt))
+    for ids, mask in tokenizer([messages_of(row, system_prompt) for row in rows]):
         if not any(mask[:max_len]):
             continue
         out["truncated"].append(max_len is not None and len(ids) > max_len)

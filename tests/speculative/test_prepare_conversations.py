@@ -8,6 +8,7 @@ written out turn by turn.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 import datasets
@@ -15,9 +16,15 @@ import pytest
 
 from datamodules import HiddenStatesDataModule
 from datamodules.speculative.generate import generate_hidden_states
-from datamodules.speculative.prepare_conversations import ConversationError, main, prepare_conversations
+from datamodules.speculative.prepare_conversations import (
+    ConversationError,
+    ConversationTokenizer,
+    main,
+    messages_of,
+    prepare_conversations,
+)
 from examples.tiny_draft import TinyDraft
-from tests.speculative.chat_data import MARKED, PLAIN, SHAREGPT, by_hand, chat_tokenizer
+from tests.speculative.chat_data import MARKED, PLAIN, SHAREGPT, by_hand, chat_tokenizer, random_chats
 from tests.speculative.speculative_data import HIDDEN, tiny_verifier
 from tests.support import quiet_trainer
 
@@ -104,3 +111,31 @@ def test_prepared_conversations_generate_states_and_train_a_draft(
     trainer = quiet_trainer(max_steps=3, limit_val_batches=0)
     trainer.fit(model, datamodule=dm)
     assert trainer.global_step == 3 and not dm.bad_samples.reasons
+
+
+# Templates the per-role-sequence scaffold must agree with, rendering every prefix being the reference:
+# the plain one; one trimming contents (not written verbatim); one marking the final turn (loop.last);
+# one whose output depends on a content's words.
+SCAFFOLD_TEMPLATES = {
+    "plain": PLAIN,
+    "trimmed": PLAIN.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"),
+    "last turn": PLAIN.replace("<|end|> {% endfor %}", "<|end|> {% if loop.last %}<|end|> {% endif %}{% endfor %}"),
+    "by content": PLAIN.replace(
+        "{{ m['content'] }}", "{{ m['content'] }}{% if 'bye' in m['content'] %} bye{% endif %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("template", SCAFFOLD_TEMPLATES)
+def test_the_masks_from_a_scaffold_are_those_of_rendering_every_prefix(template: str, tmp_path: Path) -> None:
+    tokenizer = ConversationTokenizer(chat_tokenizer(tmp_path, SCAFFOLD_TEMPLATES[template]))
+    chats = [messages_of({"conversations": [{"from": r, "value": t} for r, t in chat]}) for chat in random_chats(200)]
+    chats += [[{"role": "user", "content": " hi "}, {"role": "assistant", "content": " fine  "}]]  # trimmed away
+    chats += [[{"role": r, "content": "hi"} for r in ("assistant", "user", "assistant")]]  # opens with the assistant
+    fast = tokenizer(chats)
+    slow = ConversationTokenizer(chat_tokenizer(tmp_path / "slow", SCAFFOLD_TEMPLATES[template]))
+    slow._scaffolds = defaultdict(lambda: None)  # every conversation rendered prefix by prefix
+    assert fast == slow(chats)
+    assert sum(m for _, mask in fast for m in mask) > 0
+    if template in ("plain", "last turn"):  # templates that write contents verbatim take the scaffold
+        assert all(scaffold is not None for scaffold in tokenizer._scaffolds.values())
