@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
+import pyarrow.compute
 
 from datamodules.plan.arguments import program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained, load_split, one_line
@@ -100,14 +100,14 @@ class ConversationTokenizer:
             return list(zip(out["input_ids"], out["assistant_masks"], strict=True))
         texts = self.tokenizer.apply_chat_template(conversations, tokenize=False)
         spans = [self._spans(messages, text) for messages, text in zip(conversations, texts, strict=True)]
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        encodings = self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
         rows = []
-        for ids, offsets, turns in zip(encoded["input_ids"], encoded["offset_mapping"], spans, strict=True):
-            starts = np.fromiter((first for first, _ in offsets), dtype=np.int64, count=len(offsets))
-            mask = np.zeros(len(ids), dtype=np.int64)
-            for a, b in turns:  # the tokens starting in [a, b): offsets are in order
-                mask[np.searchsorted(starts, a) : np.searchsorted(starts, b)] = 1
-            rows.append((ids, mask.tolist()))
+        for encoding, text, turns in zip(encodings, texts, spans, strict=True):
+            mask = [0] * len(encoding.ids)
+            for a, b in turns:
+                first, stop = _first_token_from(encoding, a, len(text)), _first_token_from(encoding, b, len(text))
+                mask[first:stop] = [1] * (stop - first)
+            rows.append((encoding.ids, mask))
         return rows
 
     def _spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
@@ -132,6 +132,17 @@ class ConversationTokenizer:
                 start = len(self.render(messages[:i], True)) if i else self._prompt
                 spans.append((start, len(self.render(messages[: i + 1]))))
         return spans
+
+
+def _first_token_from(encoding: Any, char: int, length: int) -> int:
+    """The first token of ``encoding`` that starts at or after character ``char``: a token starting in a
+    span belongs to it (``transformers``' offsets rule for masks, as the character offsets of a fast
+    tokenizer give it)."""
+    for at in range(char, length):
+        token = encoding.char_to_token(at)
+        if token is not None:
+            return token if encoding.token_to_chars(token)[0] >= char else token + 1
+    return len(encoding.ids)
 
 
 @dataclass
@@ -181,10 +192,12 @@ def _tokenize(
     rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "truncated": []}
     for ids, mask in tokenizer([messages_of(row, system_prompt) for row in rows]):
-        if not any(mask[:max_len]):
+        truncated = max_len is not None and len(ids) > max_len
+        if truncated:
+            ids, mask = ids[:max_len], mask[:max_len]
+        if not any(mask):
             continue
-        out["truncated"].append(max_len is not None and len(ids) > max_len)
-        ids, mask = ids[:max_len], mask[:max_len]
+        out["truncated"].append(truncated)
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)
         out["seq_len"].append(len(ids))
@@ -292,8 +305,9 @@ def prepare_conversations(
     counts = {
         "conversations": len(rows),
         "dropped_no_assistant": sum(len(source) for source in sources) - len(rows),
-        "truncated": int(sum(rows["truncated"])),
-        "tokens": int(sum(rows["seq_len"])),
+        # Summed by Arrow: iterating a column goes row by row through the formatter.
+        "truncated": int(pyarrow.compute.sum(rows.data.column("truncated")).as_py() or 0),
+        "tokens": int(pyarrow.compute.sum(rows.data.column("seq_len")).as_py() or 0),
     }
     kept = rows.remove_columns("truncated")
     partial = target.with_name(f".{target.name}.partial")
