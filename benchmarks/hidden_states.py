@@ -9,7 +9,7 @@
    against a bare loop over the same files (the floor): ``safetensors.torch.load_file``, then every
    tensor copied into a preallocated buffer (``load_file`` maps the file; the copy reads its bytes, as
    packing them into a row must). Side by side, speculators' own loader over the same folder
-   (``benchmarks/speculators_loader.py``, its ``ArrowDataset`` and ``_setup_dataloader``, in a fresh
+   (``benchmarks/peer_loaders/speculators_hidden_states.py``, its ``ArrowDataset`` and ``_setup_dataloader``, in a fresh
    process of ``benchmarks/.venvs/speculators``, which this script creates unless ``--quick`` or
    ``--no-venvs``: speculators pins ``datasets`` and ``transformers`` below ours).
 
@@ -139,7 +139,14 @@ SPECULATORS_INSTALL = [
 
 def speculators_rate(python: str, data: Path, width: int, workers: int, seconds: float) -> float:
     """Conversations/s of speculators' own loader over ``data`` (a fresh process; start-up excluded)."""
-    command = [python, "benchmarks/speculators_loader.py", "--data", str(data), "--total-seq-len", "2048"]
+    command = [
+        python,
+        "benchmarks/peer_loaders/speculators_hidden_states.py",
+        "--data",
+        str(data),
+        "--total-seq-len",
+        "2048",
+    ]
     command += ["--hidden-size", str(width), "--num-workers", str(workers), "--seconds", str(seconds)]
     result = result_of(command, timeout=600)
     if "error" in result:
