@@ -6,8 +6,8 @@ what speculators' trainer builds (``ArrowDataset`` and ``_setup_dataloader``: mu
 ``CollateFn``, ``spawn`` workers) with ``on_missing="raise"`` and prints ``RESULT {"rate": ...}``: the
 conversations per second after the first batch, for ``--seconds``.
 
-    benchmarks/.venvs/speculators/bin/python benchmarks/peer_loaders/speculators_hidden_states.py --data DIR --total-seq-len 2048 \\
-        --hidden-size 1024 --num-workers 2 --seconds 5
+    benchmarks/.venvs/speculators/bin/python benchmarks/peer_loaders/speculators_hidden_states.py \\
+        --data DIR --total-seq-len 2048 --hidden-size 1024 --num-workers 2 --seconds 5
 """
 
 from __future__ import annotations
