@@ -8,22 +8,28 @@ refers to it:
 
 - In the process that reads its batches (no workers), a buffer is free when the pool holds the only
   reference to its storage (``_storage_Use_Count``: every tensor and view of it holds one).
-- In a worker, references live in the main process. Each buffer travels with a ticket (the worker's
-  shared array of free flags, and its slot); the main process keeps the batch's storage when it
-  receives it (``hold``) and, once it holds the only reference, sets the slot's flag (``release``);
-  the worker reuses a slot only while its flag is set. A slot is never written while any tensor in
-  the main process can see it.
+- In a worker, references live in the main process. Each buffer travels with a ``Ticket`` (the
+  worker's shared array of free flags, its slot, the buffer). Unpickled in the main process, the
+  ticket keeps the buffer's storage aside, so every batch received counts, even one the DataLoader
+  drops unseen when an iterator is abandoned; ``release_returned`` (called for every batch) sets the
+  slot's flag once that is the only reference left, and the worker reuses a slot only while its flag
+  is set. A slot is never written while any tensor in the main process can see it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import torch
 
 SLOTS = 8  # buffers per process; more in flight at once are made fresh (and not reused)
+
+# In the main process: the storages of workers' buffers received, with their flags and slots.
+_returned: list[tuple[torch.UntypedStorage, torch.Tensor, int]] = []
+_returned_lock = threading.Lock()
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -32,6 +38,34 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 
 def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class Ticket:
+    """A worker's buffer on its way to the main process; it arrives there as ``None``, having set the
+    buffer aside to be given back (``release_returned``)."""
+
+    def __init__(self, free: torch.Tensor, slot: int, buffer: torch.Tensor) -> None:
+        self.free, self.slot, self.buffer = free, slot, buffer
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _receive, (self.free, self.slot, self.buffer)
+
+
+def _receive(free: torch.Tensor, slot: int, buffer: torch.Tensor) -> None:
+    with _returned_lock:
+        _returned.append((buffer.untyped_storage(), free, slot))
+
+
+def release_returned() -> None:
+    """Give back to their workers the buffers received that nothing in this process refers to any more."""
+    with _returned_lock:
+        kept = []
+        for storage, free, slot in _returned:
+            if _use_count(storage) == 1:
+                free[slot] = 1
+            else:
+                kept.append((storage, free, slot))
+        _returned[:] = kept
 
 
 class RecycledBuffers:
@@ -45,7 +79,6 @@ class RecycledBuffers:
         self._pid = os.getpid()
         self._storages: list[torch.UntypedStorage] = []
         self._free: torch.Tensor | None = None  # in a worker: set by the main process when it lets go
-        self._held: list[tuple[torch.UntypedStorage, torch.Tensor, int]] = []  # main process: tickets received
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots": self.slots}  # a worker starts with a pool of its own
@@ -54,10 +87,10 @@ class RecycledBuffers:
         self.slots = state["slots"]
         self._reset()
 
-    def take(self, nbytes: int, shared: bool) -> tuple[torch.Tensor, dict[str, Any] | None]:
+    def take(self, nbytes: int, shared: bool) -> tuple[torch.Tensor, Ticket | None]:
         """A flat uint8 tensor of at least ``nbytes`` (in shared memory if ``shared``, as in a worker),
-        and the ticket the main process returns it with (``None`` when none is needed). The pool keeps
-        the storage; the tensor, and every view made of it, refer to it apart."""
+        and the ticket to send with it (``None`` when none is needed). The pool keeps the storage; the
+        tensor, and every view made of it, refer to it apart."""
         if self._pid != os.getpid():  # a forked worker: the parent's buffers are not its own
             self._reset()
         if shared and self._free is None:
@@ -69,35 +102,20 @@ class RecycledBuffers:
                 storage = self._storages[slot] = self._new(nbytes, shared)
             if shared:
                 self._free[slot] = 0
-            return _whole(storage), self._ticket(slot, shared)
+            return self._lent(storage, slot, shared)
         storage = self._new(nbytes, shared)
         if len(self._storages) == self.slots:
             return _whole(storage), None  # every slot in use: a one-off
         self._storages.append(storage)
-        return _whole(storage), self._ticket(len(self._storages) - 1, shared)
+        return self._lent(storage, len(self._storages) - 1, shared)
+
+    def _lent(self, storage: torch.UntypedStorage, slot: int, shared: bool) -> tuple[torch.Tensor, Ticket | None]:
+        buffer = _whole(storage)
+        return buffer, Ticket(self._free, slot, buffer) if shared else None
 
     @staticmethod
     def _new(nbytes: int, shared: bool) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared(nbytes) if shared else torch.UntypedStorage(nbytes)
-
-    def _ticket(self, slot: int, shared: bool) -> dict[str, Any] | None:
-        return {"free": self._free, "slot": slot} if shared else None
-
-    def hold(self, tensor: torch.Tensor, ticket: dict[str, Any] | None) -> None:
-        """In the main process: ``tensor``'s storage came from a worker with ``ticket``; give it back
-        once nothing else refers to it. Also gives back every held storage already let go."""
-        if ticket is not None:
-            self._held.append((tensor.untyped_storage(), ticket["free"], ticket["slot"]))
-        self.release()
-
-    def release(self) -> None:
-        kept = []
-        for storage, free, slot in self._held:
-            if _use_count(storage) == 1:
-                free[slot] = 1
-            else:
-                kept.append((storage, free, slot))
-        self._held = kept
 
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name: (shape, dtype)

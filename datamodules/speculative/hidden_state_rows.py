@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
-from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, views
+from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, release_returned, views
 from datamodules.plan.stopping import STOP
 from datamodules.speculative.conversation_rows import ConversationRows
 from datamodules.speculative.generation_client import CircuitBreaker
@@ -208,7 +208,7 @@ class HiddenStateRows(ConversationRows):
 
     def to_batch(self, raw: dict[str, Any]) -> Batch:
         self.bad_samples.record(raw["skipped"])
-        self.buffers.hold(raw["input_ids"], raw["ticket"])
+        release_returned()  # the buffers of batches let go of go back to their workers
         batch = {key: value for key, value in raw.items() if key not in ("skipped", "generated", "valid", "ticket")}
         batch = self.preprocess(batch) if self.preprocess is not None else batch
         stop = self.breaker.record(raw["generated"], raw["skipped"])

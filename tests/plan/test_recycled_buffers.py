@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from multiprocessing.reduction import ForkingPickler
 
-from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, views
+import torch
+import torch.multiprocessing  # noqa: F401 (registers torch's reductions with ForkingPickler)
+
+from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, release_returned, views
 
 
 def test_in_process_a_buffer_is_reused_only_once_no_tensor_refers_to_it() -> None:
@@ -29,15 +32,21 @@ def test_a_full_pool_makes_one_off_buffers_and_a_larger_request_replaces_a_free_
     assert larger.numel() >= 4096
 
 
-def test_a_workers_buffer_comes_back_only_when_the_main_process_lets_go_of_it() -> None:
-    worker, main = RecycledBuffers(slots=2), RecycledBuffers()
-    received, ticket = worker.take(256, shared=True)
-    assert received.is_shared() and ticket is not None
-    main.hold(received, ticket)
+def test_a_workers_buffer_comes_back_once_the_main_process_lets_go_even_of_a_batch_never_read() -> None:
+    worker = RecycledBuffers(slots=2)
+    buffer, ticket = worker.take(256, shared=True)
+    assert buffer.is_shared() and ticket is not None
+    # What the main process receives (torch's reductions map the same shared memory): the batch, and
+    # no ticket, which set the buffer aside as it was unpickled, so that a batch the DataLoader drops
+    # unread (an abandoned iterator's prefetch) comes back too.
+    received, arrived = ForkingPickler.loads(ForkingPickler.dumps((buffer[:16], ticket)))
+    assert arrived is None
+    del buffer, ticket
+    release_returned()
     assert worker.take(256, shared=True)[0].data_ptr() != received.data_ptr()  # still held: a second slot
     pointer = received.data_ptr()
     del received
-    main.release()
+    release_returned()
     assert worker.take(256, shared=True)[0].data_ptr() == pointer
 
 
