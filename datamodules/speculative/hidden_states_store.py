@@ -32,9 +32,6 @@ class StoredBytes:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def __len__(self) -> int:
-        return self.shape[0]
-
     def read_into(self, out: torch.Tensor) -> None:
         """The first ``len(out)`` positions, read into the contiguous ``out`` of ``dtype`` by the kernel
         (one copy from the page cache; no mapping of the file to set up, fault in and tear down)."""
@@ -135,12 +132,16 @@ class HiddenStateFiles(HiddenStatesStore):
                 return None
         return self.fetch(path) if os.path.exists(path) else None
 
+    def _header(self, path: str) -> tuple[int, dict]:
+        """The safetensors header of ``path``: its length (8 bytes), then the JSON naming every tensor's
+        dtype, shape and byte range."""
+        size = int.from_bytes(self.files.read_range(path, 0, 8), "little")
+        return size, json.loads(self.files.read_range(path, 8, 8 + size))
+
     def layers_and_width(self, index: int) -> tuple[int, int] | None:
-        # The safetensors header only: its length (8 bytes), then the JSON naming every tensor's shape.
         path = self.path(index)
         try:
-            size = int.from_bytes(self.files.read_range(path, 0, 8), "little")
-            header = json.loads(self.files.read_range(path, 8, 8 + size))
+            _, header = self._header(path)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError) as err:
@@ -155,9 +156,8 @@ class HiddenStateFiles(HiddenStatesStore):
         if is_url(path):
             return None
         try:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                entry = json.loads(f.read(size))["hidden_states"]
+            size, header = self._header(path)
+            entry = header["hidden_states"]
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             return StoredBytes(path, 8 + size + entry["data_offsets"][0], tuple(entry["shape"]), dtype)
         except (OSError, ValueError, KeyError):

@@ -83,9 +83,8 @@ class ConversationTokenizer:
             raise ConversationError(f"tokenizer {tokenizer!r} has no chat template; pass --chat-template FILE")
         self.marked = "{% generation %}" in self.tokenizer.chat_template
         # The generation prompt's length: what it adds after a turn.
-        self._prompt = len(self.render([{"role": "user", "content": "x"}], True)) - len(
-            self.render([{"role": "user", "content": "x"}])
-        )
+        probe = [{"role": "user", "content": "x"}]
+        self._prompt = len(self.render(probe, True)) - len(self.render(probe))
         self._scaffolds: dict[tuple[str, ...], _Scaffold | None] = {}
 
     def render(self, messages: list[dict[str, str]], prompt: bool = False) -> str:
@@ -180,7 +179,8 @@ class _Scaffold:
             before.append(before[-1] + len(content))
         if len(text) != self.length + before[-1]:
             return None
-        if not all(text.startswith(c, at + b) for c, at, b in zip(contents, self.content_starts, before, strict=False)):
+        places = zip(contents, self.content_starts, before[:-1], strict=True)
+        if not all(text.startswith(content, at + offset) for content, at, offset in places):
             return None
         return [(prompt if a is None else a + before[i], b + before[i + 1]) for i, a, b in self.turns]
 
