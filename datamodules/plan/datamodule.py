@@ -13,6 +13,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +49,9 @@ class PlanDataModule(LightningDataModule):
         seed: seed of the data order, separate from the model's seed.
         num_workers: DataLoader worker processes; the order does not depend on it.
         allow_plan_change: resume from a checkpoint whose plan differs (other data or seed),
-            continuing at the saved position of the new plan instead of refusing.
+            continuing at the saved position of the new plan instead of refusing; or from a checkpoint
+            past step 0 that holds no state of this DataModule (another DataModule's run), starting its
+            data from the beginning.
         pin_memory: copy batches into pinned (page-locked) memory, for faster host-to-GPU copies;
             default ``None``: on when the Trainer's accelerator is a CUDA GPU.
         prefetch_factor: worker messages (of 16 micro-batches) each worker prepares ahead;
@@ -95,6 +98,7 @@ class PlanDataModule(LightningDataModule):
         self._saved_segments: list[Segment] = []
         self._epoch_end: int | None = None  # from a checkpoint: where the epoch in progress ends
         self._pending_state: dict[str, Any] | None = None
+        self._resume_checked = False  # a checkpoint's state of this DataModule, or its absence, was looked at
         self._stream: StreamTraining | None = None
         self._trained: TrainedSpans | None = None  # with batches out of order: which were trained
         self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
@@ -103,6 +107,17 @@ class PlanDataModule(LightningDataModule):
         self._summarized = False  # the data summary is shown once per fit
         self._vote = RankVote(type(self).__name__)  # several ranks stop together (stopping.py)
         self._loaders: weakref.WeakSet = weakref.WeakSet()  # closed at teardown
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Launchers that ship the DataModule to their processes (``ddp_spawn``, Ray) pickle it; the
+        # loaders it made stay with the process that runs them.
+        state = self.__dict__.copy()
+        state["_loaders"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._loaders = weakref.WeakSet()
 
     def build_sources(self) -> list[tuple[str, Source | None, dict[str, Source]]]:
         """``(name, train, held)`` of every source: ``held`` maps ``"validation"`` and ``"test"`` to
@@ -172,6 +187,7 @@ class PlanDataModule(LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self._summarized = False
+        self._resume_checked = False
         self._vote = RankVote(type(self).__name__)
         if not self._built:
             stream = self.build_stream()
@@ -258,8 +274,31 @@ class PlanDataModule(LightningDataModule):
             self._anchor_batches = self._batches_trained()
         return self.positions_consumed
 
+    def _refuse_checkpoint_without_state(self) -> None:
+        """Lightning restores a DataModule's state by its class name and says nothing when the checkpoint
+        has none: a run resumed at step 500 from another DataModule's checkpoint would train this one's
+        data from position 0. That is refused, once per fit, unless ``allow_plan_change``."""
+        checked, self._resume_checked = self._resume_checked, True
+        path, step = getattr(self.trainer, "ckpt_path", None), getattr(self.trainer, "global_step", 0)
+        if checked or path is None or not step:
+            return
+        name = type(self).__name__
+        held = datamodule_states(path)
+        holds = f"it holds the state of {', '.join(held)}" if held else "it holds no DataModule state of this library"
+        message = (
+            f"{name}: the checkpoint {path} was saved at step {step}, but {holds}, not of {name}: its data would "
+            "start again at position 0"
+        )
+        if not self.allow_plan_change:
+            raise ValueError(
+                f"{message}. Resume with the DataModule that wrote it, or pass allow_plan_change=True to start "
+                f"{name}'s data from its beginning"
+            )
+        rank_zero_warn(f"{message}; starting it from its beginning because allow_plan_change=True")
+
     def train_dataloader(self) -> DataLoader:
         train = self._require_setup()
+        self._refuse_checkpoint_without_state()
         if self._stream is not None:
             return self._stream_loader()
         self._anchor_positions, self._anchor_batches = self.positions_consumed, None
@@ -521,6 +560,7 @@ class PlanDataModule(LightningDataModule):
         return {"positions_consumed": position, "trained_out_of_order": layout}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_checked = True
         if not self._built:
             self._pending_state = state_dict
             return
@@ -561,6 +601,20 @@ class PlanDataModule(LightningDataModule):
                 )
             self._resume_spans = list(out_of_order["spans"][self.dp_rank])
         self._saved_segments = [Segment(p, b, tuple(c)) for p, b, c in state_dict.get("segments", [])]
+
+
+def datamodule_states(path: str | Path) -> list[str]:
+    """The names under which a checkpoint holds a DataModule state of this library (those with plan
+    positions or a stream cursor); empty where it holds none or cannot be read here (a remote path)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # only a message's detail depends on it
+        return []
+    return sorted(
+        key
+        for key, value in checkpoint.items()
+        if isinstance(value, dict) and ("positions_consumed" in value or "stream" in value)
+    )
 
 
 def held_by_role(parts: list[tuple[str, Any, Any]]) -> dict[str, list[tuple[str, Source]]]:

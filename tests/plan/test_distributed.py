@@ -157,6 +157,15 @@ def test_ddp_trains_on_the_datamodule_sampler_not_a_lightning_replacement(ddp_ep
         assert info["num_training_batches"] == STEPS_PER_EPOCH
 
 
+def test_ddp_spawn_ships_the_datamodule_to_its_ranks_which_cover_the_epoch_once(
+    shards: Path, tmp_path: Path, plan_windows
+) -> None:
+    # ddp_spawn pickles the Trainer, and the DataModule with it, into each rank's process.
+    run = train(shards, tmp_path, devices=2, strategy="ddp_spawn", max_epochs=1)
+    assert len(run.records(0)) == len(run.records(1)) == STEPS_PER_EPOCH
+    assert_positions_consumed_once([consumed(run, dp_size=2)], WINDOWS, plan_windows)
+
+
 def test_ddp_resume_mid_epoch_is_exact(ddp_reference: Run, ddp_stopped: Run, shards: Path, tmp_path: Path) -> None:
     k = 3
     resumed = train(

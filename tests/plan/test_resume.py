@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from datamodules import TokenShardDataModule
+from datamodules import MixtureComponent, MixtureDataModule, TokenShardDataModule, TokenShardSource
 from datamodules.plan.loader import PlanDataLoader, PlanDataset
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan
 from datamodules.plan.sampler import PlanSampler
@@ -146,6 +146,31 @@ def test_allow_plan_change_resumes_at_the_saved_position(tmp_path: Path, shards:
     trainer.fit(model, datamodule=dm, ckpt_path=checkpoint_at(tmp_path, 3))
     assert len(model.records) == 2
     assert dm.positions_consumed == 5 * BATCH
+
+
+def mixture_checkpoint(tmp_path: Path, shards: Path, steps: int) -> Path:
+    """A checkpoint after ``steps`` steps of another DataModule class (a mixture) over the same shards."""
+    dm = MixtureDataModule(
+        [MixtureComponent("train", 1.0, TokenShardSource(str(shards)))], seq_len=SEQ_LEN, batch_size=BATCH
+    )
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps)]
+    quiet_trainer(max_steps=steps, callbacks=callbacks).fit(RecordingModel(), datamodule=dm)
+    return checkpoint_at(tmp_path, steps)
+
+
+def test_a_checkpoint_of_another_datamodule_is_refused_naming_the_state_it_holds(tmp_path: Path, shards: Path) -> None:
+    ckpt = mixture_checkpoint(tmp_path, shards, 3)
+    with pytest.raises(ValueError, match=r"saved at step 3, but it holds the state of MixtureDataModule, not of Token"):
+        fit(shards, 6, 0, resume=ckpt)
+
+
+def test_allow_plan_change_starts_the_data_of_another_datamodules_checkpoint_from_its_beginning(
+    tmp_path: Path, shards: Path
+) -> None:
+    ckpt = mixture_checkpoint(tmp_path, shards, 3)
+    with pytest.warns(UserWarning, match="starting it from its beginning because allow_plan_change=True"):
+        resumed = fit(shards, 5, 0, resume=ckpt, allow_plan_change=True)
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in fit(shards, 2, 0)]
 
 
 def test_resume_with_gradient_accumulation_trains_identical_micro_batches(tmp_path: Path, shards: Path) -> None:

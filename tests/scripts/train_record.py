@@ -286,8 +286,9 @@ def main(argv: list[str] | None = None) -> None:
             **(probe.seen or {}),
             "global_rank": trainer.global_rank,
             "world_size": trainer.world_size,
-            "dp_rank": datamodule.dp_rank,
-            "dp_size": datamodule.dp_size,
+            # Under ddp_spawn the ranks trained in processes of their own: this one never set the data up.
+            "dp_rank": getattr(datamodule, "dp_rank", None),
+            "dp_size": getattr(datamodule, "dp_size", None),
             "global_step": trainer.global_step,
             "positions_consumed": datamodule.positions_consumed,
             "lr_by_step": probe.lr_by_step,
