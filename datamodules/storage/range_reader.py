@@ -1,6 +1,7 @@
 """Byte ranges of local and remote files. Remote ones go through ``RangeReader``: adjacent ranges of
 one file are merged into one request, requests run concurrently and are retried within one budget,
-and objects are checked for changes during a run.
+and objects are checked for changes during a run: on S3, every ranged GET of an object whose ETag
+was recorded carries it (``If-Match``), so a replaced object answers 412 instead of other bytes.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -26,6 +28,40 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 LIST_AT_LEAST = 16  # objects of one folder whose sizes and ETags are read by listing it, not by HEADs
+
+
+class ChangedDuringRun(OSError):
+    """A file read by offset changed after the run recorded its version: reading on would mix two
+    versions of the data. Not a bad sample (no policy skips it): the run stops."""
+
+
+def changed_message(path: str, detail: str) -> str:
+    return (
+        f"{path} changed during the run: {detail}. Its data is read by offset, so reading on would mix "
+        "two versions of it; start again from the new version."
+    )
+
+
+def _versions_differ(path: str, tag_name: str, was: tuple[int, str | None], now: tuple[int, str | None]) -> str:
+    (size, tag), (new_size, new_tag) = was, now
+    detail = f"{size} bytes, {tag_name} {tag} when the run started; now {new_size} bytes, {tag_name} {new_tag}"
+    return changed_message(path, detail)
+
+
+def read_unchanged(path: str, start: int, end: int, version: tuple[int, str | None]) -> bytes:
+    """Bytes ``[start, end)`` of the local file ``path``, refused (``ChangedDuringRun``) when its size
+    and modification time (``version``, as ``(size, str(st_mtime_ns))``) are no longer the recorded
+    ones: one ``fstat`` beside the read, taken after it, so a write before or during the read is seen."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, end - start, start)
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    found = (stat.st_size, str(stat.st_mtime_ns))
+    if found != version:
+        raise ChangedDuringRun(_versions_differ(path, "mtime_ns", version, found))
+    return data
 
 
 def read_ranges(paths: list[Path], starts: list[int], ends: list[int]) -> list[bytes]:
@@ -72,10 +108,11 @@ class RangeReader:
     missing object or a refused permission is not retried. Other requests (a HEAD, a listing, a PUT)
     go through ``request``, with the same budget.
 
-    Objects given to ``expect`` are checked against the size and ETag recorded then, whenever a read
-    of one comes ``verify_every`` seconds or more after its last check (in this process, or before it,
-    in the process that recorded it): one HEAD per due object, all at once. An object that changed is
-    refused: its windows would mix two versions.
+    Objects given to ``expect`` are checked against the size and ETag recorded then: on S3 by every
+    ranged GET (``If-Match``: a changed object answers 412, free of any extra request); on every
+    store, whenever a read of one comes ``verify_every`` seconds or more after its last check (in this
+    process, or before it, in the process that recorded it): one HEAD per due object, all at once. An
+    object that changed is refused (``ChangedDuringRun``): its windows would mix two versions.
     """
 
     verify_every = 600.0
@@ -170,13 +207,18 @@ class RangeReader:
             return
         for path, found in zip(due, self._versions(due), strict=True):
             if found != self.expected[path]:
-                (size, tag), (new_size, new_tag) = self.expected[path], found
-                raise OSError(
-                    f"{path} changed during the run: {size} bytes, ETag {tag} when the run started; now "
-                    f"{new_size} bytes, ETag {new_tag}. Its windows would mix two versions of the data; "
-                    "start again from the new version."
-                )
+                self._refuse_changed(path, found)
             self._checked[path] = now
+
+    def _refuse_changed(self, path: str, found: tuple[int, str | None] | None = None) -> None:
+        """Raise ``ChangedDuringRun`` for ``path``, saying what it was and what it is now (``found``, or
+        asked for here: one HEAD, on the way out)."""
+        if found is None:
+            try:
+                found = self._versions([path])[0]
+            except OSError as err:
+                found = (-1, f"unknown ({err})")
+        raise ChangedDuringRun(_versions_differ(path, "ETag", self.expected[path], found))
 
     def read(self, paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
         """The bytes ``[start, end)`` of each path, in order. Ranges of one file that touch are one request."""
@@ -205,6 +247,8 @@ class RangeReader:
                 path, start, end = ranges[i]
                 if isinstance(blob, FileNotFoundError | PermissionError):
                     raise type(blob)(f"cannot read {path}: {blob}") from None
+                if _precondition_failed(blob):
+                    self._refuse_changed(path)
                 if isinstance(blob, BaseException) or len(blob) != end - start:
                     failed.append((i, blob))
                 else:
@@ -233,6 +277,10 @@ class RangeReader:
         """Each range's bytes, or the exception reading it raised; ``io_threads`` requests at a time."""
         fs = self.fs
         paths, starts, ends = (list(column) for column in zip(*ranges, strict=True))
+        if urlparse(self.root).scheme in ("s3", "s3a"):
+            tags = [self.expected.get(path, (0, None))[1] for path in paths]
+            gets = [_s3_get(fs, *r, tag) for r, tag in zip(ranges, tags, strict=True)]
+            return fsspec.asyn.sync(fs.loop, _gather, gets, self.io_threads)
         if getattr(fs, "async_impl", False):
             return fs.cat_ranges(paths, starts, ends, on_error="return", batch_size=self.io_threads)
 
@@ -256,6 +304,35 @@ def _pool_for(root: str, options: dict[str, Any], io_threads: int) -> dict[str, 
         config.setdefault("retries", {"mode": "standard", "total_max_attempts": 1})
         options = {**options, "config_kwargs": config}
     return options
+
+
+async def _s3_get(fs: Any, path: str, start: int, end: int, etag: str | None) -> bytes | BaseException:
+    """Bytes ``[start, end)`` of an S3 object, sent with ``If-Match: etag`` where one is known (s3fs's
+    own ranged reads take no headers), or the exception the request raised."""
+    bucket, key, version = fs.split_path(path)
+    conditions = {"IfMatch": etag} if etag else {}
+    if version:
+        conditions["VersionId"] = version
+    try:
+        response = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **conditions
+        )
+        try:
+            return await response["Body"].read()
+        finally:
+            response["Body"].close()
+    except Exception as err:  # noqa: BLE001 (returned, judged and retried by the caller)
+        return err
+
+
+def _precondition_failed(result: bytes | BaseException) -> bool:
+    """Whether a ranged read was answered 412: its ``If-Match`` ETag is no longer the object's."""
+    if not isinstance(result, BaseException):
+        return False
+    response = getattr(result.__cause__, "response", None) or getattr(result, "response", None) or {}
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412 or (
+        response.get("Error", {}).get("Code") == "PreconditionFailed"
+    )
 
 
 async def _gather(coroutines: list[Any], limit: int) -> list[Any]:

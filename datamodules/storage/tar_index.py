@@ -6,7 +6,9 @@ over the members' data: a local shard is read in place; a remote one through ran
 headers only (``RangeReader``'s retries), whose size grows while the headers lie close together (a
 shard of small members then costs a few large requests, one of large members a small request per
 member). Indexes are kept in a node-local folder, one file per shard named by the shard's location,
-size and version (ETag, or mtime for a local file): a shard that changed is indexed again.
+size and version (ETag, or mtime for a local file): a shard that changed is indexed again. Each
+member's 512-byte header is kept as an 8-byte digest, so a reader can check, on every read, that
+the header before the member's data is still the one indexed (``header_digest``).
 
 Samples follow webdataset's convention: a member's key is its name up to the first dot of its last
 path component, its field the rest, lowercased (``a/b.c/x.seg.jpg``: key ``a/b.c/x``, field
@@ -40,7 +42,7 @@ from datamodules.storage.range_reader import RangeReader
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: the members' header digests
 _KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 _TAR_NAME = re.compile(r"\.(tar|tgz)(\.\w+)?$")  # a shard's name, compressed or not (no glob in it)
@@ -59,6 +61,12 @@ def key_and_field(name: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2).lower())
 
 
+def header_digest(block: bytes) -> int:
+    """An 8-byte digest (a signed int64) of a member's 512-byte tar header: its name, size, mode,
+    times and checksum; a header rewritten or shifted by any of these reads as another digest."""
+    return int.from_bytes(hashlib.blake2b(block, digest_size=8).digest(), "little", signed=True)
+
+
 def compression_of(head: bytes) -> str | None:
     """The compression whose magic number ``head`` starts with, if any."""
     return next((kind for magic, kind in _COMPRESSIONS.items() if head.startswith(magic)), None)
@@ -67,12 +75,14 @@ def compression_of(head: bytes) -> str | None:
 @dataclass
 class TarIndex:
     """The regular members of one tar shard: ``names``, and where each one's data starts and how long
-    it is (``offsets``, ``sizes``); ``lost_bytes``: bytes after the last complete member of a
-    truncated or corrupt shard (0 for a whole one)."""
+    it is (``offsets``, ``sizes``), and the digest of the header just before its data (``headers``);
+    ``lost_bytes``: bytes after the last complete member of a truncated or corrupt shard (0 for a
+    whole one)."""
 
     names: np.ndarray  # bytes: UTF-8 names, a byte a character (a str array takes four)
     offsets: np.ndarray  # int64
     sizes: np.ndarray  # int64
+    headers: np.ndarray  # int64: header_digest of the 512 bytes before each member's data
     lost_bytes: int = 0
     decompressed: bool = False  # indexed (and read) from a decompressed copy beside the index
 
@@ -97,16 +107,15 @@ class TarIndex:
         """Written to a temporary name, then renamed: a reader sees the whole index or none."""
         partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         with partial.open("wb") as f:
-            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, lost=self.lost_bytes,
-                     decompressed=self.decompressed)  # fmt: skip
+            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, headers=self.headers,
+                     lost=self.lost_bytes, decompressed=self.decompressed)  # fmt: skip
         os.replace(partial, path)
 
     @classmethod
     def load(cls, path: Path) -> TarIndex:
         with np.load(path) as saved:
-            return cls(
-                saved["names"], saved["offsets"], saved["sizes"], int(saved["lost"]), bool(saved["decompressed"])
-            )
+            columns = (saved[name] for name in ("names", "offsets", "sizes", "headers"))
+            return cls(*columns, int(saved["lost"]), bool(saved["decompressed"]))
 
 
 class _HeaderReads:
@@ -148,7 +157,7 @@ class _HeaderReads:
 
 def walk_headers(fileobj: object, size: int, name: str) -> TarIndex:
     """The index of the tar in ``fileobj`` (``size`` bytes), read header by header."""
-    names, offsets, sizes = [], [], []
+    names, offsets, sizes, headers = [], [], [], []
     stopped_at = None
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:  # type: ignore[call-overload]
@@ -160,6 +169,10 @@ def walk_headers(fileobj: object, size: int, name: str) -> TarIndex:
                     names.append(member.name.encode("utf-8", errors="surrogateescape"))
                     offsets.append(member.offset_data)
                     sizes.append(member.size)
+                    # The member's own header is the block just read (after any long-name or pax
+                    # blocks): in the read buffer still. tarfile seeks back to its next header itself.
+                    fileobj.seek(member.offset_data - tarfile.BLOCKSIZE)  # type: ignore[attr-defined]
+                    headers.append(header_digest(fileobj.read(tarfile.BLOCKSIZE)))  # type: ignore[attr-defined]
             else:
                 stopped_at = tar.offset
     except tarfile.ReadError as err:
@@ -170,8 +183,8 @@ def walk_headers(fileobj: object, size: int, name: str) -> TarIndex:
     fileobj.seek(stopped_at)  # type: ignore[attr-defined]
     if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):  # type: ignore[attr-defined]
         lost = size - stopped_at  # no end-of-archive block where the members stop: truncated or corrupt
-    as_array = np.array(names, dtype=bytes), np.array(offsets, dtype=np.int64), np.array(sizes, dtype=np.int64)
-    return TarIndex(*as_array, lost)
+    numbers = (np.array(column, dtype=np.int64) for column in (offsets, sizes, headers))
+    return TarIndex(np.array(names, dtype=bytes), *numbers, lost)
 
 
 @dataclass

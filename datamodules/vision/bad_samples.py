@@ -36,6 +36,7 @@ def sample_or_replacement(
     """``read(index)``; if it raises ``BadSample``, raise naming the sample (``policy="raise"``) or
     read its replacements in turn, appending ``(sample, reason)`` of each bad one to ``skipped``."""
     candidate = index
+    first = len(skipped)
     for attempt in range(1, MAX_REPLACEMENTS + 2):
         try:
             return read(candidate)
@@ -46,4 +47,5 @@ def sample_or_replacement(
                 ) from None
             skipped.append((describe(candidate), str(err)))
         candidate = replacement(index, attempt, n)
-    raise BadSample(f"{describe(index)} and its {MAX_REPLACEMENTS} replacements are all bad: is the dataset broken?")
+    sample, reason = skipped[first]  # its own reason: often the one mistake behind all (a field misnamed)
+    raise BadSample(f"{sample}: {reason}; and its {MAX_REPLACEMENTS} replacements are all bad: is the dataset broken?")

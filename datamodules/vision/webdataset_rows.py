@@ -6,12 +6,19 @@ field as ``{"bytes", "path"}`` (``path`` names the member: ``shard.tar:key.jpg``
 string; a sample without one of the fields, or whose text is not UTF-8, is a ``BadSample``. A row's
 members are one byte range of its shard (a sample's members lie together): one request per sample,
 and ``prefetch`` requests a micro-batch's ranges together.
+
+A shard changed under the run is refused (``ChangedDuringRun``), never read by the old offsets: the
+range starts 512 bytes early, so it holds the tar header of every member read, each checked against
+the index's digest; a local shard's size and mtime are checked beside each read (one ``fstat``), a
+bucket's ETag by the GET itself (``If-Match``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +27,10 @@ import numpy as np
 
 from datamodules.plan.bad_samples import BadSample
 from datamodules.storage.locations import is_url
-from datamodules.storage.range_reader import read_range
-from datamodules.storage.tar_index import Shards, index_shards, shard_locations
+from datamodules.storage.range_reader import ChangedDuringRun, changed_message, read_range, read_unchanged
+from datamodules.storage.tar_index import Shards, header_digest, index_shards, shard_locations
+
+log = logging.getLogger(__name__)
 
 WEBDATASET = "webdataset"  # the ``path`` (as datasets' builder is named) that reads tar shards by member
 
@@ -45,36 +54,58 @@ class WebDatasetRows:
         self.media = media
         self.locations = shards.locations
         self.read_locations = shards.read_locations  # a compressed shard's members: its decompressed copy
+        # (size, mtime) of each local shard read in place, checked at every read; a decompressed copy is
+        # ours (what the original becomes no longer matters), a bucket's shard is checked by its ETag.
+        self.local_versions = [
+            version if read == location and not is_url(location) else None
+            for location, read, version in zip(self.locations, self.read_locations, shards.versions, strict=True)
+        ]
         self.column_names = list(fields)
         self._prefetched: dict[int, bytes] = {}
         # field -> its choices in order of preference, each (member field, name inside a .json or None)
         self.choices = {f: [_choice(c) for c in key_choices(f"{f}_key", spec)] for f, spec in fields.items()}
-        shard_ids, keys, starts, ends = [], [], [], []
-        chosen: dict[str, list[tuple[int, int, int]]] = {field: [] for field in fields}  # (offset, size, choice)
+        shard_ids, keys, starts, ends, member_set_ids = [], [], [], [], []
+        # field -> (offset, size, choice, header digest) a row
+        chosen: dict[str, list[tuple[int, int, int, int]]] = {field: [] for field in fields}
+        member_sets: dict[tuple[str, ...], int] = {}  # each distinct set of member fields, numbered (for messages)
+        empty = []
         for number, index in enumerate(shards.indexes):
             offsets, sizes = index.offsets.tolist(), index.sizes.tolist()  # Python ints: this loop is per member
-            for key, present in index.samples():
+            headers = index.headers.tolist()
+            samples = index.samples()
+            if not samples:
+                empty.append(self.locations[number])
+            for key, present in samples:
                 picks = {
                     field: next(((n, present[m]) for n, (m, _) in enumerate(choices) if m in present), None)
                     for field, choices in self.choices.items()
                 }
                 used = [pick[1] for pick in picks.values() if pick is not None] or [next(iter(present.values()))]
-                start = min(offsets[m] for m in used)
+                start = min(offsets[m] for m in used) - tarfile.BLOCKSIZE  # the first member's header too
                 end = max(offsets[m] + sizes[m] for m in used)
                 shard_ids.append(number)
                 keys.append(key)
                 starts.append(start)
                 ends.append(end)
+                member_set_ids.append(member_sets.setdefault(tuple(present), len(member_sets)))
                 for field, pick in picks.items():
                     if pick is None:
-                        chosen[field].append((-1, 0, -1))
+                        chosen[field].append((-1, 0, -1, 0))
                     else:
-                        chosen[field].append((offsets[pick[1]] - start, sizes[pick[1]], pick[0]))
+                        m = pick[1]
+                        chosen[field].append((offsets[m] - start, sizes[m], pick[0], headers[m]))
+        if empty:
+            log.warning(
+                "%d of %d tar shards hold no sample: %s%s", len(empty), len(self.locations), ", ".join(empty[:5]),
+                f" and {len(empty) - 5} more" if len(empty) > 5 else "",
+            )  # fmt: skip
         self.shard_ids = np.array(shard_ids, dtype=np.int32)
         self.keys = np.array([key.encode("utf-8", errors="surrogateescape") for key in keys], dtype=bytes)
         self.starts = np.array(starts, dtype=np.int64)
         self.ends = np.array(ends, dtype=np.int64)
-        self.fields = {field: np.array(places, dtype=np.int64).reshape(-1, 3) for field, places in chosen.items()}
+        self.fields = {field: np.array(places, dtype=np.int64).reshape(-1, 4) for field, places in chosen.items()}
+        self.member_sets = list(member_sets)
+        self.member_set_ids = np.array(member_set_ids, dtype=np.int32)
         digest = hashlib.sha256(repr(sorted(fields.items())).encode())
         # What a changed shard changes: its members' names, sizes and places; in a bucket, its ETag too (a
         # local file's mtime is left out: a copy of the shards elsewhere resumes).
@@ -108,7 +139,10 @@ class WebDatasetRows:
             for i, span in zip(remote, fetched, strict=True):
                 spans[i] = span
         for i, path in enumerate(paths):
-            if not is_url(path):
+            version = self.local_versions[self.shard_ids[rows[i]]]
+            if version is not None:
+                spans[i] = read_unchanged(path, starts[i], ends[i], version)
+            elif not is_url(path):
                 spans[i] = read_range(Path(path), starts[i], ends[i])
         if len(self._prefetched) > 4 * len(rows):  # rows prefetched by a fetch that failed part-way
             self._prefetched.clear()
@@ -125,12 +159,24 @@ class WebDatasetRows:
         return self._row(row, span)
 
     def _row(self, row: int, span: bytes) -> dict[str, Any]:
+        places = {field: places[row].tolist() for field, places in self.fields.items()}
+        for field, (offset, _, choice, header) in places.items():
+            if offset >= 0 and header_digest(span[offset - tarfile.BLOCKSIZE : offset]) != header:
+                member = self.choices[field][choice][0]
+                where = int(self.starts[row]) + offset - tarfile.BLOCKSIZE
+                raise ChangedDuringRun(
+                    changed_message(
+                        self.locations[self.shard_ids[row]],
+                        f"the tar header at byte {where} is no longer the one of its member "
+                        f"{self.keys[row].decode('utf-8', errors='surrogateescape')}.{member} that the run indexed",
+                    )
+                )
         out: dict[str, Any] = {}
-        for field, places in self.fields.items():
-            offset, size, choice = places[row].tolist()
+        for field, (offset, size, choice, _) in places.items():
             if offset < 0:
                 wanted = " or ".join(f".{member}" for member, _ in self.choices[field])
-                raise BadSample(f"it has no {wanted} member")
+                has = ", ".join(f".{member}" for member in self.member_sets[self.member_set_ids[row]])
+                raise BadSample(f"it has no {wanted} member (its members: {has})")
             data = span[offset : offset + size]
             member, json_name = self.choices[field][choice]
             if field in self.media:

@@ -5,6 +5,8 @@ every awkward shard handled as the bad-sample policy says."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -14,12 +16,13 @@ import torch
 
 from datamodules import ImageTextDataModule
 from datamodules.plan.bad_samples import BadSample
+from datamodules.storage.range_reader import ChangedDuringRun
 from datamodules.storage.tar_index import shard_locations
 from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
 from tests.storage.tar_data import tar_of
-from tests.support import fit_records
+from tests.support import RecordingModel, fit_records, quiet_trainer
 from tests.vision.image_data import caption, encoded, image_folder, picture, tokenizer_for
-from tests.vision.webdataset_data import shards_of_folder
+from tests.vision.webdataset_data import ChangeAfterStep, captions_rewritten, resized, shards_of_folder
 
 wds = pytest.importorskip("webdataset")
 
@@ -130,7 +133,8 @@ def test_missing_members_and_undecodable_images_follow_on_bad_sample(tmp_path: P
         "batch_size": 2,
         "data_files": str(shard),
     }
-    with pytest.raises(BadSample, match=r"webdataset:train sample .*bad\.tar:s2: it has no \.png member \(on_bad"):
+    missing = r"webdataset:train sample .*bad\.tar:s2: it has no \.png member \(its members: \.txt\) \(on_bad"
+    with pytest.raises(BadSample, match=missing):
         batches(make_dm(tokenizer, "webdataset", tmp_path / "idx", **common))
     dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", on_bad_sample="skip", **common)
     got = batches(dm)
@@ -268,3 +272,65 @@ def test_a_resume_onto_changed_shards_is_refused(tmp_path: Path, tokenizer: str)
     tar_of(first, kept)
     with pytest.raises(ValueError, match="the data plan differs from the checkpoint's"):
         fit(dm(), 6, resume=next((tmp_path / "ckpt").glob("*.ckpt")))
+
+
+def four_shards(tmp_path: Path) -> tuple[str, list[Path]]:
+    """24 samples in 4 shards of 6: their pattern and paths."""
+    pattern = shards_of_folder(image_folder(tmp_path / "images", 24), tmp_path / "shards", per_shard=6)
+    return pattern, [Path(location) for location in shard_locations(pattern)]
+
+
+def fit_with(dm: ImageTextDataModule, change: ChangeAfterStep) -> None:
+    """Two epochs (12 steps) of a fit during which ``change`` changes a shard: every shard is read after it."""
+    quiet_trainer(max_steps=12, callbacks=[change]).fit(RecordingModel(), datamodule=dm)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_rewritten_in_place_under_a_run_stops_it_naming_the_shard(
+    tmp_path: Path, tokenizer: str, workers: int
+) -> None:
+    pattern, shards = four_shards(tmp_path)
+    last = shards[-1]
+    dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=pattern, on_bad_sample="skip",
+                 num_workers=workers)  # fmt: skip
+    # The same size and the same tar headers, other captions: the file's mtime says it changed.
+    change = ChangeAfterStep(2, lambda: last.write_bytes(captions_rewritten(last)))
+    with pytest.raises(ChangedDuringRun, match=rf"{re.escape(str(last))} changed during the run: .* mtime_ns"):
+        fit_with(dm, change)
+    assert not dm.bad_samples.reasons  # not a bad sample skipped: the run stopped
+
+
+def test_a_shard_replaced_by_another_with_its_size_and_mtime_kept_is_caught_by_its_tar_headers(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    pattern, shards = four_shards(tmp_path)
+    last = shards[-1]
+
+    def replace() -> None:  # another shard's bytes in its place, its times restored (as cp -p or rsync -t do)
+        stat = last.stat()
+        last.write_bytes(resized(shards[0].read_bytes(), stat.st_size))
+        os.utime(last, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=pattern, on_bad_sample="skip")
+    message = rf"{re.escape(str(last))} changed during the run: the tar header at byte \d+ is no longer the one of"
+    with pytest.raises(ChangedDuringRun, match=message):
+        fit_with(dm, ChangeAfterStep(2, replace))
+
+
+def test_a_field_no_sample_has_says_why_in_skip_mode_too(tmp_path: Path, tokenizer: str) -> None:
+    pattern = shards_of_folder(image_folder(tmp_path / "images", 8), tmp_path / "shards", per_shard=4, image_key="jpg")
+    dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=pattern, image_field="jpeg",
+                 on_bad_sample="skip")  # fmt: skip
+    why = r"it has no \.jpeg member \(its members: \.jpg, \.json, \.txt\); and its 16 replacements are all bad"
+    with pytest.raises(BadSample, match=why):
+        batches(dm)
+
+
+def test_an_empty_tar_among_good_shards_is_logged(
+    tmp_path: Path, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pattern = shards_of_folder(image_folder(tmp_path / "images", 8), tmp_path / "shards", per_shard=4)
+    empty = tar_of(tmp_path / "empty.tar", [])
+    dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=[pattern, str(empty)])
+    assert len(batches(dm)) == 2  # the good shards' 8 samples
+    assert f"1 of 3 tar shards hold no sample: {empty}" in caplog.text
