@@ -383,17 +383,17 @@ class PlanDataModule(LightningDataModule):
             done = loop.batch_progress.current.processed if loop is not None else 0
             return epoch_batches - min(done, epoch_batches)
 
-        return self._stopping_together(
-            self._stream.loader(
-                self.dp_rank,
-                self.dp_size,
-                self.num_workers,
-                self._batches_trained(),
-                remaining,
-                epoch_batches,
-                **self._loader_options(),
-            )
+        loader = self._stream.loader(
+            self.dp_rank,
+            self.dp_size,
+            self.num_workers,
+            self._batches_trained(),
+            remaining,
+            epoch_batches,
+            **self._loader_options(),
         )
+        self._log_stream_summary(steps)
+        return self._stopping_together(loader)
 
     def _loader_options(self) -> dict[str, Any]:
         pin = self.pin_memory
@@ -466,16 +466,39 @@ class PlanDataModule(LightningDataModule):
             "Weight",
             f"Passes in max_steps={max_steps}" if reads else "Passes",
         ]
-        widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-        lines = [
-            " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]
-        ]
-        lines.insert(1, "-" * len(lines[0]))
-        rank_zero_info(
-            f"{type(self).__name__}: {steps_per_epoch:,} steps per epoch of {self.global_batch_size:,} samples "
-            f"(batch_size {self.batch_size} x {self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} "
-            "accumulated)\n" + "\n".join(lines)
+        rank_zero_info(f"{self._summary_title(f'{steps_per_epoch:,} steps per epoch')}\n{table(header, rows)}")
+
+    def _summary_title(self, epoch: str) -> str:
+        return (
+            f"{type(self).__name__}: {epoch} of {self.global_batch_size:,} samples (batch_size {self.batch_size} x "
+            f"{self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} accumulated)"
         )
+
+    def _log_stream_summary(self, steps_per_epoch: int | None) -> None:
+        """The data summary of a stream: what it reads, by how many readers, and what ``max_steps`` reads."""
+        if self._summarized or not getattr(self.trainer, "is_global_zero", True):
+            return
+        self._summarized = True
+        stream, workers = self._stream.stream, max(1, self.num_workers)
+        readers = self.dp_size * workers
+        max_steps = getattr(self.trainer, "max_steps", -1)
+        reads = max_steps is not None and max_steps > 0
+        samples = max_steps * self.global_batch_size if reads else None
+        in_steps = f" in max_steps={max_steps}" if reads else ""
+        header = ["", "Source", "Data", "Readers", "Idle readers", f"Samples{in_steps}", f"Tokens{in_steps}"]
+        row = [
+            "0",
+            "train",
+            stream.describe(),
+            f"{readers:,} ({self.dp_size} ranks x {workers} workers)",
+            str(len(stream.idle_readers(readers))),
+            f"{samples:,}" if samples is not None else "-",
+            f"{samples * stream.sample_tokens:,}" if samples is not None and stream.sample_tokens else "-",
+        ]
+        epoch = f"{steps_per_epoch:,} steps per epoch" if steps_per_epoch else "a stream, endless epochs"
+        resumed = self._batches_trained()
+        at = f", resuming at batch {resumed:,}" if resumed else ""
+        rank_zero_info(f"{self._summary_title(epoch)}{at}\n{table(header, [row])}")
 
     @property
     def _vals(self) -> list[tuple[str, Source]]:
@@ -615,6 +638,14 @@ def datamodule_states(path: str | Path) -> list[str]:
         for key, value in checkpoint.items()
         if isinstance(value, dict) and ("positions_consumed" in value or "stream" in value)
     )
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """Rows under a header, in columns, as Lightning's model summary prints them."""
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
 
 
 def held_by_role(parts: list[tuple[str, Any, Any]]) -> dict[str, list[tuple[str, Source]]]:

@@ -56,6 +56,12 @@ class Stream(ABC):
     @abstractmethod
     def to_batch(self, raw: Any) -> dict[str, torch.Tensor]: ...
 
+    def describe(self) -> str:
+        """What the stream reads, for the data summary (its units; its rows where they are known)."""
+        return type(self).__name__
+
+    sample_tokens = 0  # tokens one sample trains, where that is fixed (the summary's token count)
+
 
 class StreamDataset(IterableDataset):
     """The readers of one rank: DataLoader worker ``w`` plays local reader ``(w + first) % workers``."""
@@ -202,20 +208,9 @@ class StreamTraining:
         self._check_readers(world, workers)
         num_readers = world * workers
         idle = set(self.stream.idle_readers(num_readers))
-        if rank == 0:
-            log.info(
-                "%s streams its training data through %d readers (%d ranks x %d workers), resuming at batch %d",
-                self.owner,
-                num_readers,
-                world,
-                workers,
-                batches_trained,
-            )
-            if idle:
-                names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
-                log.warning(
-                    "%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names
-                )
+        if rank == 0 and idle:
+            names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
+            log.warning("%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names)
         states = self.cursor.states_at(batches_trained)
         self.cursor = StreamCursor(batches_trained, states)
         # Batch b of this rank comes from its b-th active reader, round robin: start there.

@@ -39,6 +39,10 @@ class DocumentUnits(ABC):
     def split(self, parts: int) -> None:  # noqa: B027 (units of unknown size cannot be split)
         """Cut every unit into ``parts`` row ranges, when units' sizes are known."""
 
+    @abstractmethod
+    def describe(self) -> str:
+        """What the units are, for the data summary: how many, of what, and the rows where known."""
+
     splittable = False
 
 
@@ -69,6 +73,10 @@ class _RowRangeUnits(DocumentUnits):
             step = math.ceil((stop - first) / parts)
             pieces += [(table, lo, min(lo + step, stop)) for lo in range(first, stop, step)]
         self.ranges = pieces
+
+    @property
+    def rows(self) -> int:
+        return sum(stop - first for _, first, stop in self.ranges)
 
     @abstractmethod
     def _read(self, table: int) -> list[Any]: ...
@@ -101,6 +109,9 @@ class ParquetUnits(_RowRangeUnits):
     def identity(self) -> list[str]:
         return ["parquet", self.text_field, *map(file_stamp, self.files)]
 
+    def describe(self) -> str:
+        return f"{len(self._groups):,} row groups of {len(self.files):,} parquet files, {self.rows:,} rows"
+
     def _read(self, table: int) -> list[Any]:
         path, group, _ = self._groups[table]
         return _parquet(path).read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
@@ -131,6 +142,9 @@ class SavedDatasetUnits(_RowRangeUnits):
 
     def identity(self) -> list[str]:
         return ["saved", self.text_field, *self.corpus.identity()]
+
+    def describe(self) -> str:
+        return f"{self.corpus.path} ({self.corpus.split}): {len(self):,} row ranges, {self.rows:,} rows"
 
     def _read(self, table: int) -> Any:
         return _Column(self.dataset, self.text_field)
@@ -170,6 +184,9 @@ class StreamedUnits(DocumentUnits):
 
     def identity(self) -> list[str]:
         return ["streamed", self.text_field, *self.corpus.identity()]
+
+    def describe(self) -> str:
+        return f"{self.corpus.path}: {self.num_shards:,} stream shards (rows unknown until read)"
 
     def blocks(self, unit: int, first_block: int, block_rows: int) -> Iterator[tuple[str, int, list[Any]]]:
         if self._dataset is None:

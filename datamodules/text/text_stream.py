@@ -81,6 +81,13 @@ class TextStream(Stream):
     def identity(self) -> dict[str, Any]:
         return self._identity
 
+    def describe(self) -> str:
+        return self.units.describe()
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.seq_len
+
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return windows_to_batch(raw)
 

@@ -256,3 +256,41 @@ def test_a_dropped_loader_is_freed_at_once_and_its_workers_with_it(tmp_path: Pat
         assert not any(w.is_alive() for w in workers)
     finally:
         gc.enable()
+
+
+def test_fit_on_a_stream_shows_its_data_summary_in_a_plain_script(tmp_path: Path, tokenizer: str) -> None:
+    import subprocess
+    import sys
+
+    files = parquet(tmp_path, 3, row_group=50)
+    script = f"""
+from lightning.pytorch import Trainer
+from datamodules import HFTextDataModule
+from tests.support import RecordingModel
+dm = HFTextDataModule("parquet", {tokenizer!r}, data_files={files!r}, seq_len=8, batch_size=4, streaming=True,
+                      num_workers=2)
+Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(RecordingModel(), dm)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = done.stdout + done.stderr
+    assert "HFTextDataModule: a stream, endless epochs of 4 samples (batch_size 4 x 1 data-parallel ranks" in shown
+    table = shown[shown.index("Source |") :].splitlines()
+    assert [cell.strip() for cell in table[0].split("|")] == [
+        "Source",
+        "Data",
+        "Readers",
+        "Idle readers",
+        "Samples in max_steps=5",
+        "Tokens in max_steps=5",
+    ]
+    row = [cell.strip() for cell in table[2].split("|")]
+    assert row == [
+        "0",
+        "train",
+        "6 row groups of 3 parquet files, 300 rows",
+        "2 (1 ranks x 2 workers)",
+        "0",
+        "20",
+        "160",
+    ]
