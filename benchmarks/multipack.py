@@ -3,11 +3,12 @@ common use, on the same lengths in one run.
 
 Lengths: lognormal, mean about 2,700 tokens (sigma 0.8), budget 8,192 tokens a row. Contenders:
 ours (``MultipackBatchSampler``: best-fit decreasing placed per distinct length, rows as plan
-samples); a shuffled-prefix LPT packer (each step takes the longest prefix of the shuffled
-remainder that LPT fits into one row per rank, as the multipack samplers in wide use do); and
-best-fit decreasing in plain Python, one item at a time (sorted list of rooms, ``bisect``), on
-both counts. The LPT packer runs on ``--peer-lengths`` only (its efficiency depends on the
-distribution, not the count; its time is quoted at that count): ``python -m benchmarks.multipack``.
+samples; its seconds to construct, which packs the first pass, and to the first row it yields); a
+shuffled-prefix LPT packer (each step takes the longest prefix of the shuffled remainder that LPT
+fits into one row per rank, as the multipack samplers in wide use do); and best-fit decreasing in
+plain Python, one item at a time (sorted list of rooms, ``bisect``), on both counts. The LPT packer
+runs on ``--peer-lengths`` only (its efficiency depends on the distribution, not the count; its time
+is quoted at that count): ``python -m benchmarks.multipack``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ def lognormal_lengths(n: int, mean: float = 2700.0, sigma: float = 0.8, seed: in
 
 
 def ours(lengths: np.ndarray, ranks: int) -> dict[str, float]:
+    """Seconds to construct the sampler (it packs the first pass) and from then on to its first row."""
     t0 = time.perf_counter()
     sampler = MultipackBatchSampler(lengths, BUDGET, num_replicas=ranks, rank=0, seed=0)
-    seconds = time.perf_counter() - t0
+    built = time.perf_counter()
+    next(iter(sampler))
+    first_row = time.perf_counter() - t0
     packed = sampler.efficiency()
-    return {"seconds": seconds, "efficiency": packed.token_efficiency, "balanced": packed.balanced_steps}
+    return {
+        "seconds": built - t0,
+        "to first row": first_row,
+        "efficiency": packed.token_efficiency,
+        "balanced": packed.balanced_steps,
+    }
 
 
 def _lpt_fits(items: list[int], ranks: int) -> bool:
@@ -116,9 +125,9 @@ def main() -> None:
     checks = {
         "token efficiency >= 0.995 on 1 rank and on 8": all(r["efficiency"] >= 0.995 for r in ours_full),
         "ranks balanced (max/min <= 1.02) on >= 99% of steps at 8 ranks": ours_full[1]["balanced"] >= 0.99,
-        f"{len(lengths):,} lengths packed in under 1 s": all(r["seconds"] < 1.0 for r in ours_full),
+        f"{len(lengths):,} lengths: the first row in under 1 s": all(r["to first row"] < 1.0 for r in ours_full),
     }
-    columns = ["packer", "lengths", "ranks", "seconds", "efficiency", "balanced"]
+    columns = ["packer", "lengths", "ranks", "seconds", "to first row", "efficiency", "balanced"]
     config = {"budget": BUDGET, "mean length": round(float(lengths.mean())), "rounds": args.rounds}
     report("multipack", {"packing": (columns, rows)}, config, checks, results_directory(args.results_dir, args.quick))
 

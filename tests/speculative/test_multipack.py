@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from datamodules import MultipackBatchSampler
-from datamodules.speculative.multipack import PackedRows, best_fit_decreasing
+from datamodules.speculative.multipack import PackedRows, best_fit_decreasing, order_by
 
 BUDGET = 8192
 
@@ -45,6 +45,25 @@ def test_bulk_best_fit_packs_like_placing_items_one_by_one(seed: int) -> None:
     ours = sorted(np.bincount(row_of, weights=sizes, minlength=num_rows).astype(int).tolist())
     reference = sorted(sum(row) for row in one_by_one_best_fit_decreasing(sizes.tolist(), capacity))
     assert ours == reference
+
+
+@pytest.mark.parametrize("largest", [5, 2000, 2**20])
+def test_order_by_orders_as_lexsort_does(largest: int) -> None:
+    # The packer's sorts (sizes then tie keys; rows by fill then keys) must keep lexsort's order,
+    # or every pass's rows would change; 2**20 is past the 16 bits numpy radix-sorts.
+    rng = np.random.default_rng(largest)
+    small = rng.integers(0, largest + 1, 50_000)
+    keys = rng.choice(2**62, 50_000, replace=False).astype(np.uint64)
+    assert (order_by(small, keys) == np.lexsort((keys, small))).all()
+
+
+def test_the_sampler_hands_out_its_planned_rows_in_order_past_one_block() -> None:
+    lengths = lognormal_lengths(8000, mean=600)
+    sampler = MultipackBatchSampler(lengths, 2048, num_replicas=2, rank=1, seed=4)
+    sampler.set_epoch(1)
+    assert len(sampler) > 1024  # more steps than one block of located rows
+    planned = sampler.planned_rows(np.arange(len(sampler), 2 * len(sampler)))[:, 1]
+    assert list(sampler) == [sampler.packed.row(pass_, row).tolist() for pass_, row in planned.tolist()]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
