@@ -18,7 +18,7 @@ from datamodules.plan.held_out import held_out_rows
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.loader import RankZero, SourceSpec
 from datamodules.speculative.conversation_rows import ATTENTION_MASKS, COLUMNS, ConversationRows, checked_rows
-from datamodules.speculative.prepare_conversations import MANIFEST, prepare_conversations
+from datamodules.speculative.prepare_conversations import MANIFEST, prepare_conversations, template_text
 
 OVER_LONG = ("truncate", "drop")
 
@@ -92,20 +92,16 @@ class ConversationSource(SourceSpec):
             )
         if self.tokenizer is not None:
             require_existing("tokenizer", self.tokenizer, only_if_local=True)
+        self.template = template_text(self.chat_template)
 
     @staticmethod
     def _is_prepared(name: str, split: str | None) -> bool:
         """Whether ``name`` is a ``save_to_disk`` folder of rows already prepared (memory-mapped: cheap)."""
         return is_saved_dataset(name) and set(COLUMNS) <= set(load_split(name, split).column_names)
 
-    def _template(self) -> str | None:
-        if self.chat_template is not None and Path(self.chat_template).is_file():
-            return Path(self.chat_template).read_text()
-        return self.chat_template
-
     def cache_path(self, split: str | None) -> Path:
         """The prepared folder of ``split``: named for the data, keyed by everything behind its rows."""
-        identity = [self.inputs, split, _stamps(str(self.tokenizer)), self._template(), self.system_prompt]
+        identity = [self.inputs, split, _stamps(str(self.tokenizer)), self.template, self.system_prompt]
         key = hashlib.blake2b(json.dumps(identity).encode(), digest_size=8).hexdigest()
         readable = re.sub(r"[^\w.-]+", "_", f"{Path(self.inputs[0]).name or self.inputs[0]}-{split or 'train'}")
         return Path(self.cache_dir) / f"{readable}-{key}"
@@ -122,7 +118,7 @@ class ConversationSource(SourceSpec):
                 str(self.tokenizer),
                 str(self.cache_path(split)),
                 num_proc=self.num_proc,
-                chat_template=self._template(),
+                chat_template=self.template,
                 overwrite=True,  # the folder is the cache's: new inputs under the same key replace it
                 split=split,
                 system_prompt=self.system_prompt,

@@ -21,6 +21,13 @@ MARKED = (
     "<|end|>{% endgeneration %} {% else %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
+# A template that renders a content given as a list of parts, as multimodal templates do: each text part's
+# text, and any other part as ``<|its type|>``.
+LISTS = PLAIN.replace(
+    "{{ m['content'] }}",
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }} {% else %}<|{{ p['type'] }}|> {% endif %}{% endfor %}{% endif %}",
+)
 SHAREGPT = [
     [("system", "be brief"), ("human", "hi there"), ("gpt", "hello you"), ("human", "how are you"), ("gpt", "fine")],
     [("gpt", "hello"), ("human", "hi"), ("gpt", "bye")],  # opens with an assistant turn
@@ -65,7 +72,11 @@ def random_chats(count: int, seed: int = 0, words: tuple[int, int] = (1, 8)) -> 
     ]
 
 
-def write_sharegpt(path: Path, chats: list[list[tuple[str, str]]]) -> str:
-    rows = [{"conversations": [{"from": r, "value": t} for r, t in chat]} for chat in chats]
+def write_rows(path: Path, rows: list[dict]) -> str:
+    """``rows`` as a JSON-lines file."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def write_sharegpt(path: Path, chats: list[list[tuple[str, str]]]) -> str:
+    return write_rows(path, [{"conversations": [{"from": r, "value": t} for r, t in chat]} for chat in chats])

@@ -8,11 +8,13 @@ written out turn by turn.
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from pathlib import Path
 
 import datasets
 import pytest
+from transformers import PreTrainedTokenizerFast
 
 from datamodules import HiddenStatesDataModule
 from datamodules.speculative.generate import generate_hidden_states
@@ -24,7 +26,16 @@ from datamodules.speculative.prepare_conversations import (
     prepare_conversations,
 )
 from examples.tiny_draft import TinyDraft
-from tests.speculative.chat_data import MARKED, PLAIN, SHAREGPT, by_hand, chat_tokenizer, random_chats
+from tests.speculative.chat_data import (
+    LISTS,
+    MARKED,
+    PLAIN,
+    SHAREGPT,
+    by_hand,
+    chat_tokenizer,
+    random_chats,
+    write_rows,
+)
 from tests.speculative.speculative_data import HIDDEN, tiny_verifier
 from tests.support import quiet_trainer
 
@@ -72,7 +83,7 @@ def test_a_rerun_returns_at_once_and_another_corpus_is_refused_unless_overwritte
     out = str(tmp_path / "out")
     first = prepare_conversations(inputs, tokenizer, out, num_proc=2)
     assert prepare_conversations(inputs, tokenizer, out) == first
-    with pytest.raises(ConversationError, match="prepared from other inputs or settings; pass --overwrite"):
+    with pytest.raises(ConversationError, match="prepared from other inputs or settings; pass overwrite=True"):
         prepare_conversations(inputs, tokenizer, out, max_len=5)
     assert prepare_conversations(inputs, tokenizer, out, max_len=5, overwrite=True)["truncated"] >= 1
     assert not list(tmp_path.glob(".*partial*"))
@@ -82,7 +93,7 @@ def test_a_rerun_returns_at_once_and_another_corpus_is_refused_unless_overwritte
     ("argv", "message"),
     [
         (["missing.jsonl"], "no such input file 'missing.jsonl'"),
-        (["{sharegpt}", "--chat-template", "missing.jinja"], "No such file or directory"),
+        (["{sharegpt}", "--chat-template", "missing.jinja"], r"--chat-template 'missing.jinja' is no file, nor a"),
     ],
 )
 def test_bad_input_is_one_line(
@@ -93,11 +104,117 @@ def test_bad_input_is_one_line(
         main([*argv, "--tokenizer", tokenizer, "--output", str(tmp_path / "out")])
 
 
-def test_an_unknown_role_is_named(tokenizer: str, tmp_path: Path) -> None:
+def chat(*turns: tuple[str, object]) -> dict:
+    """An OpenAI row of ``(role, content)`` turns."""
+    return {"messages": [{"role": role, "content": content} for role, content in turns]}
+
+
+GOOD = chat(("user", "hi"), ("assistant", "fine"))
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ([{"type": "text", "text": "two"}, {"type": "text", "text": "three"}], "two\nthree"),  # OpenAI's parts
+        (["two", "three"], "two\nthree"),
+        ([{"type": "output_text", "text": "two three"}], "two three"),  # the responses API's
+    ],
+)
+def test_content_parts_train_as_their_texts_joined_by_a_newline(
+    tokenizer: str, tmp_path: Path, content: list, expected: str
+) -> None:
+    data = write_rows(
+        tmp_path / "parts.jsonl", [GOOD, chat(("user", [{"type": "text", "text": "hi"}]), ("assistant", content))]
+    )
+    prepare_conversations(data, tokenizer, str(tmp_path / "out"))
+    rows = datasets.load_from_disk(str(tmp_path / "out"))
+    assert (rows[1]["input_ids"], rows[1]["loss_mask"]) == by_hand(
+        [("user", "hi"), ("assistant", "two three")], tokenizer
+    )
+    # The newline is vLLM's join for a template of text contents (the word-level tokenizer splits on it too).
+    assert messages_of(chat(("assistant", content)))[0]["content"] == expected
+
+
+def test_a_part_that_is_not_text_is_refused_naming_the_row_unless_the_template_renders_lists(tmp_path: Path) -> None:
+    picture = chat(("user", [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "a.png"}}]),
+                   ("assistant", "fine"))  # fmt: skip
+    data = write_rows(tmp_path / "pictures.jsonl", [GOOD, picture])
+    with pytest.raises(
+        ConversationError, match=r"pictures.jsonl row 1: a content part of type 'image_url' is not text"
+    ):
+        prepare_conversations(data, chat_tokenizer(tmp_path / "plain", PLAIN), str(tmp_path / "plain_out"))
+    lists = chat_tokenizer(tmp_path / "lists", LISTS)
+    prepare_conversations(data, lists, str(tmp_path / "out"))
+    row = datasets.load_from_disk(str(tmp_path / "out"))[1]
+    tokens = PreTrainedTokenizerFast.from_pretrained(lists).convert_ids_to_tokens(row["input_ids"])
+    assert tokens == ["<|user|>", "hi", "<unk>", "<|end|>", "<|assistant|>", "fine", "<|end|>"]  # <|image_url|>
+    assert row["loss_mask"] == [0, 0, 0, 0, 0, 1, 1]
+
+
+def test_a_turn_without_content_leaves_its_conversation_out_counted_and_warned(
+    tokenizer: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    missing = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}
+    data = write_rows(tmp_path / "nulls.jsonl", [GOOD, chat(("user", "hi"), ("assistant", None)), missing, GOOD])
+    with caplog.at_level(logging.WARNING):
+        counts = prepare_conversations(data, tokenizer, str(tmp_path / "out"))
+    assert counts["conversations"] == 2 and counts["dropped_no_content"] == 2 and counts["dropped_no_assistant"] == 0
+    assert [r["input_ids"] for r in datasets.load_from_disk(str(tmp_path / "out"))] == [by_hand(
+        [("user", "hi"), ("assistant", "fine")], tokenizer)[0]] * 2  # fmt: skip
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "2 conversations left out" in warning and "the first: " + data + " row 1" in warning
+
+
+def test_no_conversation_left_is_one_error_with_the_counts(tokenizer: str, tmp_path: Path) -> None:
+    data = write_rows(tmp_path / "none.jsonl", [chat(("user", "hi")), chat(("user", "hi"), ("assistant", None))])
+    with pytest.raises(
+        ConversationError, match=r"none.jsonl is left to train on: 1 without an assistant token .*, 1 with"
+    ):
+        prepare_conversations(data, tokenizer, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (chat(("robot", "hi")), r"row 1: turn 0: unknown role 'robot'; accepted: \['assistant', 'gpt'"),
+        (
+            {"messages": [{"from": "human", "value": "hi"}]},
+            r"row 1: turn 0 has no 'role': it has \['from', 'value'\]; ShareGPT turns .* go in 'conversations'",
+        ),
+        (chat(("user", 5), ("assistant", "fine")), "row 1: content must be text or a list of content parts, got 5"),
+        ({"text": "hi"}, r"row 1: the row has neither 'messages' nor 'conversations': it has \['text'\]"),
+    ],
+)
+def test_a_malformed_row_is_refused_naming_the_file_and_the_row(
+    tokenizer: str, tmp_path: Path, row: dict, message: str
+) -> None:
+    data = write_rows(tmp_path / "bad.jsonl", [GOOD, row])
+    with pytest.raises(ConversationError, match="bad.jsonl " + message):
+        prepare_conversations(data, tokenizer, str(tmp_path / "out"))
+
+
+def test_a_malformed_json_line_is_named_by_file_and_line(tokenizer: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"conversations": [{"from": "robot", "value": "hi"}]}) + "\n")
-    with pytest.raises(ConversationError, match=r"unknown role 'robot'; accepted: \['assistant', 'gpt'"):
-        prepare_conversations([str(bad)], tokenizer, str(tmp_path / "out"))
+    bad.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD)[:-1] + "\n" + json.dumps(GOOD) + "\n")
+    with pytest.raises(ConversationError, match=r"bad.jsonl line 2 is not JSON: .* \(column \d+\)"):
+        prepare_conversations(str(bad), tokenizer, str(tmp_path / "out"))
+
+
+def test_a_message_names_the_option_of_the_interface_that_raised_it(
+    inputs: list[str], tokenizer: str, tmp_path: Path
+) -> None:
+    bare = chat_tokenizer(tmp_path / "bare", template="")
+    with pytest.raises(ConversationError, match=r"has no chat template; give one with chat_template \("):
+        prepare_conversations(inputs, bare, str(tmp_path / "a"))
+    with pytest.raises(SystemExit, match=r"has no chat template; give one with --chat-template \("):
+        main([*inputs, "--tokenizer", bare, "--output", str(tmp_path / "a")])
+    prepare_conversations(inputs, tokenizer, str(tmp_path / "b"))
+    with pytest.raises(ConversationError, match="pass overwrite=True to replace them"):
+        prepare_conversations(inputs, tokenizer, str(tmp_path / "b"), max_len=5)
+    with pytest.raises(SystemExit, match="pass --overwrite to replace them"):
+        main([*inputs, "--tokenizer", tokenizer, "--output", str(tmp_path / "b"), "--max-len", "5"])
+    with pytest.raises(SystemExit, match="--max-len must be a positive integer, got 0"):
+        main([*inputs, "--tokenizer", tokenizer, "--output", str(tmp_path / "c"), "--max-len", "0"])
 
 
 def test_prepared_conversations_generate_states_and_train_a_draft(
