@@ -337,3 +337,37 @@ def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_fro
             rows.prefetch([0])
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_webdataset_shard_replaced_in_the_bucket_under_a_run_stops_it_naming_the_shard(
+    tmp_path: Path, endpoint: str, num_workers: int
+) -> None:
+    from datamodules.storage.range_reader import ChangedDuringRun
+    from tests.support import RecordingModel, quiet_trainer
+    from tests.vision.webdataset_data import ChangeAfterStep, captions_rewritten, shards_of_folder
+
+    pytest.importorskip("webdataset")
+    shards_of_folder(image_folder(tmp_path / "images", 24, prompts=False), tmp_path / "shards", per_shard=6)
+    url = upload(endpoint, tmp_path / "shards", f"wds-replaced-{num_workers}")
+    last = tmp_path / "shards" / "shard-000003.tar"
+    dm = ImageTextDataModule(
+        "webdataset",
+        data_files=f"{url}/shard-{{000000..000003}}.tar",
+        **{**IMAGE_OPTIONS, "tokenizer": tokenizer_for(tmp_path / "tok")},
+        image_field="jpg;png",
+        text_field="txt",
+        on_bad_sample="skip",
+        num_workers=num_workers,
+        storage_options=storage_options(endpoint),
+        load_kwargs={"cache_dir": str(tmp_path / "index")},
+    )
+
+    def replace() -> None:  # the same size and tar headers, other captions: only its ETag tells
+        last.write_bytes(captions_rewritten(last))
+        upload(endpoint, last, f"wds-replaced-{num_workers}/{last.name}")
+
+    # 6 steps an epoch, 12 in all: the shard is read again after the change, each read carrying its ETag.
+    with pytest.raises(ChangedDuringRun, match=rf"{url}/shard-000003\.tar changed during the run: .* ETag"):
+        quiet_trainer(max_steps=12, callbacks=[ChangeAfterStep(2, replace)]).fit(RecordingModel(), datamodule=dm)
+    assert not dm.bad_samples.reasons
