@@ -36,7 +36,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 # Content parts whose ``text`` is text (OpenAI's chat and responses APIs); any other part (an image, audio) is not.
 TEXT_PARTS = ("text", "input_text", "output_text")
 MANIFEST = "prepare_conversations.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: content parts as text, conversations with a turn without content left out
 
 # The flags of the command running now, by keyword (set by ``main``): messages name the option of the interface
 # that raised them, ``--chat-template`` on the command line and ``chat_template`` in Python.
@@ -294,8 +294,8 @@ class _Scaffold:
 
 
 # Why a conversation is left out: its code in the ``dropped`` column, and the count that tells it.
-DROPPED = {1: "dropped_no_assistant", 2: "dropped_no_content"}
 NO_ASSISTANT, NO_CONTENT = 1, 2
+DROPPED = {NO_ASSISTANT: "dropped_no_assistant", NO_CONTENT: "dropped_no_content"}
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -416,11 +416,11 @@ def _report(counts: dict[str, int], target: Path, first_without_content: str | N
         counts["tokens"],
         counts["truncated"],
     )
-    no_assistant, no_content = counts["dropped_no_assistant"], counts.get("dropped_no_content", 0)
+    no_assistant, no_content = counts["dropped_no_assistant"], counts["dropped_no_content"]
     if no_assistant or no_content:
         log.warning(
-            "%s: %d conversations left out: %d without an assistant token (after truncation), %d with a turn "
-            "whose content is null or missing%s",
+            "%s: %d conversations left out: %d without an assistant token (none, or none within max_len), %d with a "
+            "turn whose content is null or missing%s",
             target,
             no_assistant + no_content,
             no_assistant,
@@ -526,7 +526,7 @@ def prepare_conversations(
     if not counts["conversations"]:
         raise ConversationError(
             f"no conversation of {', '.join(inputs)} is left to train on: {counts['dropped_no_assistant']} without "
-            f"an assistant token (after truncation), {counts['dropped_no_content']} with a turn whose content is "
+            f"an assistant token, {counts['dropped_no_content']} with a turn whose content is "
             "null or missing"
         )
     first_without_content = next(

@@ -145,6 +145,32 @@ def test_bad_settings_are_refused_with_the_value(chat_file: str, tokenizer: str,
         datamodule(chat_file, kw.pop("tokenizer", tokenizer), tmp_path / "cache", **kw).setup("fit")
 
 
+def test_a_chat_template_is_given_as_its_text_or_as_a_file_and_a_mistyped_file_is_refused(
+    chat_file: str, chats, tmp_path: Path
+) -> None:
+    bare = chat_tokenizer(tmp_path / "bare", template="")
+    long = PLAIN + "{# " + "a template longer than a file name may be " * 8 + "#}"
+    (tmp_path / "chat.jinja").write_text(long)
+    expected = {tuple(by_hand(turns, bare)[0]) for turns in chats}
+    for template in (long, str(tmp_path / "chat.jinja")):
+        dm = datamodule(chat_file, bare, tmp_path / "cache", chat_template=template)
+        seen = {
+            tuple(ids)
+            for b in epoch_batches(dm)
+            for r in range(len(b["input_ids"]))
+            for ids, _, _ in conversations_of(b, r)
+        }
+        assert seen == expected
+    with pytest.raises(ValueError, match=r"chat_template '.*/chat.jinj' is no file, nor a Jinja template"):
+        ConversationDataModule(chat_file, total_seq_len=ROW, tokenizer=bare, chat_template=str(tmp_path / "chat.jinj"))
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_keyword(chat_file: str, tmp_path: Path) -> None:
+    bare = chat_tokenizer(tmp_path / "bare", template="")
+    with pytest.raises(ValueError, match=r"has no chat template; give one with chat_template \("):
+        datamodule(chat_file, bare, tmp_path / "cache")
+
+
 def test_a_prepared_folder_is_read_as_it_is_and_validation_is_held_out(
     chat_file: str, tokenizer: str, tmp_path: Path
 ) -> None:
