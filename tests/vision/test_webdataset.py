@@ -334,3 +334,24 @@ def test_an_empty_tar_among_good_shards_is_logged(
     dm = make_dm(tokenizer, "webdataset", tmp_path / "idx", data_files=[pattern, str(empty)])
     assert len(batches(dm)) == 2  # the good shards' 8 samples
     assert f"1 of 3 tar shards hold no sample: {empty}" in caplog.text
+
+
+def test_a_clip_shard_rewritten_under_a_run_stops_it_naming_the_shard(tmp_path: Path) -> None:
+    from datamodules import VideoDataModule
+    from examples.default_images import train_caption_tokenizer
+    from tests.vision.video_data import video_caption, video_folder
+
+    tokenizer = str(train_caption_tokenizer([video_caption(i) for i in range(8)], tmp_path / "tok", vocab_size=300))
+    folder = video_folder(tmp_path / "videos", 8)
+    rows = [json.loads(line) for line in (folder / "captions.jsonl").read_text().splitlines()]
+    (tmp_path / "shards").mkdir()
+    with wds.ShardWriter(str(tmp_path / "shards" / "clips-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i, row in enumerate(rows):
+            sink.write({"__key__": f"clip{i:03d}", "mp4": (folder / row["video"]).read_bytes(), "txt": row["text"]})
+    last = tmp_path / "shards" / "clips-0001.tar"
+    dm = VideoDataModule(str(tmp_path / "shards"), tokenizer, dataset_type="webdataset", on_broken_clip="mask",
+                         layout_options={"index_cache_dir": str(tmp_path / "idx")}, max_text_len=24, batch_size=2,
+                         image_size=16, frame_options={"fps": 2.0}, max_frames=4)  # fmt: skip
+    change = ChangeAfterStep(1, lambda: last.write_bytes(captions_rewritten(last)))
+    with pytest.raises(ChangedDuringRun, match=rf"{re.escape(str(last))} changed during the run"):
+        quiet_trainer(max_steps=8, callbacks=[change]).fit(RecordingModel(), datamodule=dm)  # two epochs of 4
