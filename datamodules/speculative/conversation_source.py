@@ -38,7 +38,9 @@ class ConversationSource(SourceSpec):
         data: ShareGPT (``conversations: [{from, value}]``) or OpenAI (``messages: [{role, content}]``)
             conversations: JSON / JSON-lines / parquet files, a ``save_to_disk`` folder or a hub name; or a
             folder already prepared (``input_ids``, ``loss_mask``, ``seq_len``: by
-            ``prepare_conversations`` or by speculators' ``prepare-data``), read as it is.
+            ``prepare_conversations`` or by speculators' ``prepare-data``), read as it is. Contents are text
+            or lists of content parts, and a conversation with a turn whose content is ``null`` or missing
+            is left out and counted: see ``prepare_conversations``.
         tokenizer: a ``transformers`` tokenizer with a chat template (not needed for a prepared folder).
         chat_template: a Jinja chat template (or a file holding one) replacing the tokenizer's.
         system_prompt: a system turn opening every conversation that has none.
