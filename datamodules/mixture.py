@@ -17,7 +17,7 @@ import numpy as np
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.plan.loader import Source, SourceSpec
+from datamodules.plan.loader import Source, SourceSpec, same_tokenizer
 from datamodules.plan.sample_plan import MIXING_RULE, SamplePlan, Segment
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class MixtureDataModule(PlanDataModule):
         known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]
         for name, vocabulary in known[1:]:
             first, first_vocabulary = known[0]
-            if vocabulary != first_vocabulary and not self.allow_mixed_tokenizers:
+            if not same_tokenizer(vocabulary, first_vocabulary) and not self.allow_mixed_tokenizers:
                 raise ValueError(
                     f"sources {first!r} and {name!r} were tokenized differently: {first_vocabulary} vs {vocabulary}; "
                     "the same id would mean different tokens. Pass allow_mixed_tokenizers=True if that is intended"

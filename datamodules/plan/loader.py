@@ -47,7 +47,8 @@ class Source(Protocol):
     # (packed rows are packed afresh every pass). A source may define ``mask_rows(batch, invalid)``
     # to take the loss off padding rows; the default sets their ``labels`` to ``IGNORE_INDEX``. One
     # with ``fetch_many(calls)`` reads the spans of a whole worker message at once (a list of
-    # ``(indices, extra)``, a raw batch for each), so their slow fetches overlap.
+    # ``(indices, extra)``, a raw batch for each), so their slow fetches overlap. One that knows which
+    # tokenizer wrote its ids says so in ``vocabulary`` (compared by ``same_tokenizer``).
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]: ...
 
@@ -55,6 +56,16 @@ class Source(Protocol):
     def join(cls, parts: list[Source]) -> Source:
         """One source holding ``parts``' samples one after another (how a mixture reads in one go)."""
         ...
+
+
+def same_tokenizer(first: Any, second: Any) -> bool:
+    """Whether two sources' ``vocabulary`` give an id the same token: by the tokenizer's content
+    (``tokenizer_hash``) where both record it, so one tokenizer loaded from two paths is one, else
+    (data prepared before the hash was recorded) by the tokenizer's name or path."""
+    if not (isinstance(first, dict) and isinstance(second, dict)):
+        return first == second
+    ignored = "tokenizer" if first.get("tokenizer_hash") and second.get("tokenizer_hash") else "tokenizer_hash"
+    return {k: v for k, v in first.items() if k != ignored} == {k: v for k, v in second.items() if k != ignored}
 
 
 class PlanDataset(Dataset):

@@ -73,6 +73,7 @@ class DocumentTokenizer:
                 raise PrepareError(f"separator {separator!r} is not a token of tokenizer {tokenizer!r}")
             self.separator_id = int(ids[0])
         self.dtype = np.dtype(smallest_token_dtype(self.vocab_size - 1))
+        self.content_hash = tokenizer_hash(self.tokenizer)
         # The Rust backend's batched encode without offsets is the fastest path a fast tokenizer has.
         backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
         self._encode_fast = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
@@ -140,6 +141,14 @@ def tokenized(
                 "a tokenizer process died (killed, or out of memory?); nothing was written. "
                 "Run again, with a smaller --num-proc if memory is short"
             ) from None
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A digest of what a loaded tokenizer's ids mean: its vocabulary (added tokens too) and its special
+    tokens, not where it was loaded from, so a copy of it elsewhere hashes the same."""
+    vocabulary = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = [tokenizer.special_tokens_map, tokenizer.all_special_tokens, tokenizer.all_special_ids]
+    return hashlib.blake2b(json.dumps([vocabulary, special], default=str).encode(), digest_size=16).hexdigest()
 
 
 def tokenizer_identity(tokenizer: str) -> list[str]:
@@ -326,7 +335,11 @@ def tokenize_to_memory(
     tokens = np.concatenate([t for t, _ in parts])
     lengths = np.concatenate([n for _, n in parts])
     log.info("tokenized the evaluation set %s: %d tokens in %d documents", corpus.describe(), len(tokens), len(lengths))
-    vocabulary = {"tokenizer": tokenizer, "eos_id": document_tokenizer.separator_id}
+    vocabulary = {
+        "tokenizer": tokenizer,
+        "eos_id": document_tokenizer.separator_id,
+        "tokenizer_hash": document_tokenizer.content_hash,
+    }
     return tokens, np.cumsum(lengths) - lengths, vocabulary
 
 
@@ -358,7 +371,7 @@ def _write(
         raise PrepareError(f"no documents in the inputs: {corpus.describe()}{empty}")
     log.info("tokenized at %.0f tokens/s", metadata.num_tokens / max(time.perf_counter() - started, 1e-9))
     metadata.tokenizer, metadata.eos_id, metadata.max_token_id = tokenizer.name, tokenizer.separator_id, max_id
-    metadata.bos_id = tokenizer.bos_id
+    metadata.bos_id, metadata.tokenizer_hash = tokenizer.bos_id, tokenizer.content_hash
     return metadata
 
 

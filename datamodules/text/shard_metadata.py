@@ -48,6 +48,8 @@ class ShardMetadata:
     num_tokens: int
     num_documents: int
     tokenizer: str = ""
+    # digest of the tokenizer's vocabulary and special tokens ("": prepared before it was recorded)
+    tokenizer_hash: str = ""
     eos_id: int | None = None  # the token ending every document (the separator)
     bos_id: int | None = None  # the token starting every document, if one was added
     max_token_id: int = 0
@@ -71,6 +73,13 @@ class ShardMetadata:
             return cls(**json.loads(path.read_text()))
         except (TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot parse shard metadata {path}: {err}") from err
+
+    def vocabulary(self) -> dict[str, Any] | None:
+        """What the ids mean, for comparing sources (``same_tokenizer``); ``None`` when not recorded."""
+        if not self.tokenizer:
+            return None
+        hashed = {"tokenizer_hash": self.tokenizer_hash} if self.tokenizer_hash else {}
+        return {"tokenizer": self.tokenizer, "eos_id": self.eos_id, **hashed}
 
     def write(self, directory: Path) -> None:
         path = Path(directory) / METADATA_FILE

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from datamodules.plan.loader import same_tokenizer
 from datamodules.storage.locations import describe_error, is_url, storage_path
 from datamodules.storage.range_reader import RangeReader, read_ranges
 from datamodules.text.megatron import read_index
@@ -152,7 +153,7 @@ def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> 
         if not path.is_file():
             raise FileNotFoundError(f"{path}, named in {directory / METADATA_FILE}, is missing")
         starts = np.load(io.BytesIO(path.read_bytes())).astype(np.int64)
-    vocabulary = {"tokenizer": metadata.tokenizer, "eos_id": metadata.eos_id} if metadata.tokenizer else None
+    vocabulary = metadata.vocabulary()
     _check_edges(directory, metadata, shards, dtype.itemsize)
     fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize)
     return _Layout(dtype, shards, starts, fingerprint, vocabulary)
@@ -221,16 +222,16 @@ def _parts_layout(directory: Path, parts: list[Path]) -> _Layout:
             "(still being prepared, or their run failed)"
         )
     ordered = [layout for _, layout in sorted(zip(indices, layouts, strict=True), key=lambda p: p[0][0])]
-    vocabularies = {str(layout.vocabulary) for layout in ordered}
-    if len(vocabularies) != 1:
-        raise ValueError(f"the parts in {directory} were written by different tokenizers: {sorted(vocabularies)}")
+    if not all(same_tokenizer(ordered[0].vocabulary, layout.vocabulary) for layout in ordered[1:]):
+        vocabularies = sorted({str(layout.vocabulary) for layout in ordered})
+        raise ValueError(f"the parts in {directory} were written by different tokenizers: {vocabularies}")
     return _concat(ordered)
 
 
 def _concat(layouts: list[_Layout]) -> _Layout:
     offsets = np.cumsum([0] + [sum(s.num_tokens for s in layout.shards) for layout in layouts])
     starts = [layout.document_starts for layout in layouts]
-    vocabularies = {str(layout.vocabulary): layout.vocabulary for layout in layouts}
+    vocabulary = layouts[0].vocabulary
     fingerprint = hashlib.blake2b("+".join(layout.fingerprint for layout in layouts).encode(), digest_size=16)
     return _Layout(
         np.result_type(*(layout.dtype for layout in layouts)),
@@ -239,7 +240,7 @@ def _concat(layouts: list[_Layout]) -> _Layout:
         if any(s is None for s in starts)
         else np.concatenate([s + o for s, o in zip(starts, offsets, strict=False)]),
         fingerprint.hexdigest(),
-        vocabularies.popitem()[1] if len(vocabularies) == 1 else None,
+        vocabulary if all(same_tokenizer(vocabulary, layout.vocabulary) for layout in layouts[1:]) else None,
     )
 
 

@@ -6,6 +6,7 @@ import csv
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,9 @@ from lightning.pytorch.loggers import CSVLogger
 from datamodules import MixtureComponent, MixtureDataModule, PhaseScheduler, TokenShardSource
 from datamodules.mixture import mixture_probabilities
 from datamodules.plan.sample_plan import MIXING_RULE, Segment
-from datamodules.text.shard_metadata import ShardMetadata
+from datamodules.text.prepare import prepare
+from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
+from examples.default_corpus import train_tokenizer
 from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 4, 10
@@ -275,6 +278,61 @@ def test_sources_of_different_tokenizers_are_refused_unless_allowed(tmp_path: Pa
     allowed = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH, allow_mixed_tokenizers=True)
     allowed.setup("fit")
     assert len(next(iter(allowed.train_dataloader()))["input_ids"]) == BATCH
+
+
+@pytest.fixture(scope="module")
+def corpus_and_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A text corpus, a tokenizer trained on it, and another tokenizer trained on other text."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    corpus, other = root / "corpus.txt", root / "other.txt"
+    corpus.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(60)))
+    other.write_text("\n".join(f"line {i}: pack my box with five dozen liquor jugs" for i in range(60)))
+    return corpus, train_tokenizer([corpus], root / "tok", 300), train_tokenizer([other], root / "other", 300)
+
+
+def mix_prepared(first: Path, second: Path) -> MixtureDataModule:
+    components = [MixtureComponent(n, 0.5, TokenShardSource(str(d))) for n, d in (("a", first), ("b", second))]
+    return MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=BATCH)
+
+
+def test_folders_prepared_with_one_tokenizer_from_two_paths_mix(
+    tmp_path: Path, corpus_and_tokenizers: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus, tokenizer, _ = corpus_and_tokenizers
+    shutil.copytree(tokenizer, tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)
+    prepare([str(corpus)], tmp_path / "a", str(tokenizer), num_proc=1)
+    prepare([str(corpus)], tmp_path / "b", "tok", num_proc=1)
+    dm = mix_prepared(tmp_path / "a", tmp_path / "b")
+    dm.setup("fit")
+    assert len(next(iter(dm.train_dataloader()))["input_ids"]) == BATCH
+
+
+def test_a_different_tokenizer_under_the_same_path_is_refused(
+    tmp_path: Path, corpus_and_tokenizers: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corpus, tokenizer, other = corpus_and_tokenizers
+    for name, which in (("a", tokenizer), ("b", other)):
+        shutil.copytree(which, tmp_path / name / "tok")
+        monkeypatch.chdir(tmp_path / name)
+        prepare([str(corpus)], tmp_path / f"{name}-out", "tok", num_proc=1)
+    with pytest.raises(ValueError, match="sources 'a' and 'b' were tokenized differently"):
+        mix_prepared(tmp_path / "a-out", tmp_path / "b-out").setup("fit")
+
+
+def test_a_folder_prepared_before_tokenizer_hashes_is_compared_by_tokenizer_path(
+    tmp_path: Path, corpus_and_tokenizers: tuple[Path, Path, Path]
+) -> None:
+    corpus, tokenizer, _ = corpus_and_tokenizers
+    shutil.copytree(tokenizer, tmp_path / "copy")
+    for name, path in (("old", tokenizer), ("same", tokenizer), ("copied", tmp_path / "copy")):
+        prepare([str(corpus)], tmp_path / name, str(path), num_proc=1)
+    written = json.loads((tmp_path / "old" / METADATA_FILE).read_text())
+    del written["tokenizer_hash"]  # as metadata.json was written before the hash was recorded
+    (tmp_path / "old" / METADATA_FILE).write_text(json.dumps(written))
+    mix_prepared(tmp_path / "old", tmp_path / "same").setup("fit")
+    with pytest.raises(ValueError, match="sources 'a' and 'b' were tokenized differently"):
+        mix_prepared(tmp_path / "old", tmp_path / "copied").setup("fit")
 
 
 def test_a_phase_taking_more_samples_per_batch_than_a_source_has_fails_at_setup(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import bz2
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -366,6 +367,17 @@ def test_a_missing_part_is_refused_by_the_reader(tmp_path: Path, tokenizer: str)
     prepare(inputs, tmp_path / "parts", tokenizer, num_proc=1, num_parts=3, part_index=2)
     with pytest.raises(ValueError, match=r"holds 2 of 3 prepared parts; part\(s\) \[1\] are missing"):
         TokenShards(tmp_path / "parts")
+
+
+def test_parts_prepared_with_one_tokenizer_from_two_paths_are_one_corpus(tmp_path: Path, tokenizer: str) -> None:
+    for i in range(2):
+        (tmp_path / f"in{i}.jsonl").write_bytes(jsonl(DOCS[i * 10 : (i + 1) * 10]))
+    inputs = sorted(str(p) for p in tmp_path.glob("in*.jsonl"))
+    copy = shutil.copytree(tokenizer, tmp_path / "copied-tokenizer")  # as on another machine
+    for part, path in enumerate([tokenizer, str(copy)]):
+        prepare(inputs, tmp_path / "parts", path, num_proc=1, num_parts=2, part_index=part)
+    prepare(inputs, tmp_path / "single", tokenizer, num_proc=1)
+    assert stream(tmp_path / "parts")[0].tolist() == stream(tmp_path / "single")[0].tolist()
 
 
 def test_more_parts_than_input_files_is_refused(tmp_path: Path, tokenizer: str) -> None:
