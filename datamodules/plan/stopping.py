@@ -127,8 +127,7 @@ def stop_together(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]
         except StopIteration:
             break
         except Exception as error:  # a rank's data error: stop every rank, not this one alone
-            reason = str(error) if isinstance(error, WorkerDied) else f"{type(error).__name__}: {error}"
-            batch = {STOP: Stop(reason, error)}
+            batch = {STOP: Stop(reason_of(error), error)}
         message = batch.pop(STOP, None)
         stop = message if isinstance(message, Stop) else Stop(message)
         stop.first, first = first, False
@@ -142,6 +141,20 @@ def stop_together(batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]
         previous = batch
     if previous is not None:
         yield previous
+
+
+def reason_of(error: BaseException) -> str:
+    """What stopped a rank, in a line or a few: a DataLoader worker's error comes back with the worker's
+    traceback in its message; its own message is what follows the traceback's last frame."""
+    if isinstance(error, WorkerDied):
+        return str(error)
+    text = str(error)
+    if "Original Traceback" in text:
+        lines = text.rstrip().splitlines()
+        last_frame = max(i for i, line in enumerate(lines) if line.startswith(" "))
+        named, _, message = "\n".join(lines[last_frame + 1 :]).partition(": ")
+        return f"{named.rsplit('.', 1)[-1]}: {message}"
+    return f"{type(error).__name__}: {text}"
 
 
 class RankVote:

@@ -107,6 +107,20 @@ class WorkerKiller(Callback):
             os.kill(workers[-1].pid, signal.SIGKILL)
 
 
+class ShardReplacer(Callback):
+    """Overwrites ``target`` in place with ``source``'s bytes, cut or padded to ``target``'s size, on
+    global rank 0 after ``step``: a shard replaced under the running job."""
+
+    def __init__(self, step: int, target: str, source: str) -> None:
+        self.step, self.target, self.source = step, Path(target), Path(source)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            size = self.target.stat().st_size
+            with self.target.open("r+b") as f:
+                f.write(self.source.read_bytes()[:size].ljust(size, b"\0"))
+
+
 class ErrorRecorder(Callback):
     """Writes the exception that ended ``fit`` on this rank to ``{path}.rank{r}``, as soon as it is raised."""
 
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--info", help="per-rank run facts as JSON: {info}.rank{r}")
     parser.add_argument("--every-n-steps", type=int, help="save a checkpoint every n training steps")
     parser.add_argument("--resume", help="checkpoint to resume from")
+    parser.add_argument("--replace-shard", help="STEP:TARGET:SOURCE: TARGET overwritten by SOURCE after STEP")
+    parser.add_argument("--on-bad-sample", default="raise", help="with --webdataset")
     parser.add_argument("--kill-worker", help="RANK:STEP: SIGKILL one DataLoader worker of global rank RANK there")
     args = parser.parse_args(argv)
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             image_field="jpg;png",
             text_field="txt",
             load_kwargs={"cache_dir": args.cache_dir},
+            on_bad_sample=args.on_bad_sample,
             val_fraction=args.val_fraction,
             **loading,
         )
@@ -252,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     callbacks: list[Callback] = [probe]
     if args.info:
         callbacks.append(ErrorRecorder(f"{args.info}.error"))
+    if args.replace_shard:
+        step, target, source = args.replace_shard.split(":", 2)
+        callbacks.append(ShardReplacer(int(step), target, source))
     if args.kill_worker:
         callbacks.append(WorkerKiller(*map(int, args.kill_worker.split(":"))))
     if args.phases:

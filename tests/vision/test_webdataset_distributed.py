@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from datamodules import ImageTextSource
-from tests.distributed_support import Run, rows_by_position
+from tests.distributed_support import Run, rows_by_position, train_record
 from tests.vision.distributed_vision import source_digests, train_vision
 from tests.vision.image_data import image_folder, tokenizer_for
 from tests.vision.webdataset_data import shards_of_folder
@@ -62,3 +62,23 @@ def test_two_ranks_with_two_workers_train_every_sample_once_and_a_resume_on_one_
     after = rows_by_position(resumed, 1, BATCH, first_position=2 * 2 * BATCH)
     assert sorted(before) + sorted(after) == list(range(32)), "a position was skipped or trained twice"
     assert Counter({**before, **after}.values()) == train_rows
+
+
+def test_a_shard_replaced_under_a_two_rank_run_stops_every_rank_naming_it_in_skip_mode_too(
+    data: tuple[str, str], tmp_path: Path
+) -> None:
+    pattern, tokenizer = data
+    shards = Path(pattern).parent
+    for shard in shards.glob("*.tar"):  # a copy of its own: the module's shards stay as they are
+        (tmp_path / "shards").mkdir(exist_ok=True)
+        (tmp_path / "shards" / shard.name).write_bytes(shard.read_bytes())
+    target, other = tmp_path / "shards" / "shard-000000.tar", tmp_path / "shards" / "shard-000001.tar"
+    args = ["--webdataset", str(tmp_path / "shards" / Path(pattern).name), "--tokenizer", tokenizer]
+    args += ["--seq-len", str(TEXT_LEN), "--batch-size", str(BATCH), "--devices", "2", "--strategy", "ddp"]
+    args += ["--max-epochs", "3", "--workers", "2", "--cache-dir", str(tmp_path / "index"), "--on-bad-sample", "skip"]
+    args += ["--replace-shard", f"2:{target}:{other}"]
+    run = train_record(args, tmp_path / "run", failing_ranks=2)
+    for rank in range(2):
+        assert "ChangedDuringRun: " in run.error(rank) and "shard-000000.tar changed during the run" in run.error(rank)
+        assert "Traceback" not in run.error(rank), "the reason is the worker's message, not its traceback"
+        assert len(run.records(rank)) < 3 * 5, "the run trained on after the shard changed"
