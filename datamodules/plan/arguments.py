@@ -2,15 +2,42 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+
+# Whether the code running was called from a command line, whose options are flags (``options_as_flags``).
+_FLAGS: ContextVar[bool] = ContextVar("options_as_flags", default=False)
+
+
+@contextmanager
+def options_as_flags() -> Iterator[None]:
+    """Errors raised inside name options as a command line spells them (``option``): for a command's ``main``."""
+    token = _FLAGS.set(True)
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)
+
+
+def option(name: str, value: object = None) -> str:
+    """Option ``name`` (set to ``value``) as the interface that raised an error spells it: a keyword
+    argument from Python (``on_bad_row='skip'``), a flag inside ``options_as_flags`` (``--on-bad-row
+    skip``). ``True`` is a switch: ``add_bos=True``, ``--add-bos``."""
+    if not _FLAGS.get():
+        return name if value is None else f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None or value is True else f"{flag} {shlex.quote(str(value))}"
 
 
 def require_int(name: str, value: object, minimum: int, error: type[Exception] = ValueError) -> int:
     """``value`` if it is an integer ``>= minimum``; a float such as ``64.0`` is refused, not truncated."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise error(f"{name} must be {what}, got {value!r}")
+        raise error(f"{option(name)} must be {what}, got {value!r}")
     return value
 
 

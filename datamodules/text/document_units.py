@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from datamodules.storage.locations import is_url, open_remote
-from datamodules.text.prepare_inputs import SKIP_HINT, DatasetCorpus, PrepareError, file_stamp
+from datamodules.text.prepare_inputs import DatasetCorpus, PrepareError, file_stamp, missing_column, skip_hint
 
 
 class DocumentUnits(ABC):
@@ -51,7 +51,7 @@ def check_texts(table: str, first_row: int, values: list[Any], text_field: str) 
     for row, value in enumerate(values):
         if not isinstance(value, str):
             problem = "is null" if value is None else f"is a {type(value).__name__}, not a string"
-            raise ValueError(f"{table} row {first_row + row}: text field {text_field!r} {problem} ({SKIP_HINT})")
+            raise ValueError(f"{table} row {first_row + row}: text field {text_field!r} {problem}; {skip_hint()}")
     return values
 
 
@@ -100,7 +100,7 @@ class ParquetUnits(_RowRangeUnits):
         for path in files:
             metadata = _parquet(path)
             if text_field not in metadata.schema_arrow.names:
-                raise ValueError(f"{path} has no column {text_field!r}; columns are {metadata.schema_arrow.names}")
+                raise ValueError(missing_column(str(path), text_field, metadata.schema_arrow.names))
             for group in range(metadata.num_row_groups):
                 groups.append((path, group, metadata.metadata.row_group(group).num_rows))
         self._groups = groups
@@ -136,7 +136,7 @@ class SavedDatasetUnits(_RowRangeUnits):
         self.corpus = corpus
         self.dataset = corpus.load()
         if text_field not in self.dataset.column_names:
-            raise ValueError(f"{corpus.path} has no column {text_field!r}; columns are {self.dataset.column_names}")
+            raise ValueError(missing_column(corpus.path, text_field, self.dataset.column_names))
         rows = len(self.dataset)
         super().__init__([(0, lo, min(lo + unit_rows, rows)) for lo in range(0, rows, unit_rows)], text_field)
 
@@ -172,7 +172,7 @@ class StreamedUnits(DocumentUnits):
         dataset = corpus.load()
         columns = dataset.column_names
         if columns is not None and text_field not in columns:
-            raise ValueError(f"{corpus.path} has no column {text_field!r}; columns are {columns}")
+            raise ValueError(missing_column(corpus.path, text_field, columns))
         self.num_shards = dataset.num_shards
         self._dataset: Any = None  # loaded once per process: each load resolves the files again
 

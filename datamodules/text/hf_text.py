@@ -115,6 +115,7 @@ class HFTextSource(SourceSpec):
             text_field=self.text_field,
             num_proc=self.num_proc,
             add_bos=self.add_bos,
+            separator=None,  # the EOS; this source has no separator option for an error to name
             on_bad_row=self.on_bad_row,
         )
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from datamodules.plan.arguments import program_name, require_int
+from datamodules.plan.arguments import option, options_as_flags, program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained
 from datamodules.storage.locations import is_url, storage_path
 from datamodules.text.prepare_inputs import (
@@ -56,32 +56,33 @@ class DocumentTokenizer:
         tokenizer: a ``transformers`` tokenizer name or local path (``AutoTokenizer``).
         add_bos: start every document with the tokenizer's BOS token.
         separator: token ending every document: ``"eos"`` (the tokenizer's EOS), or a token string
-            of the vocabulary such as ``"<|endoftext|>"``.
+            of the vocabulary such as ``"<|endoftext|>"``; ``None`` (a caller with no such option):
+            the EOS.
     """
 
-    def __init__(self, tokenizer: str, add_bos: bool = False, separator: str = "eos") -> None:
+    def __init__(self, tokenizer: str, add_bos: bool = False, separator: str | None = None) -> None:
         # Every process tokenizes on one thread: the number of processes is the one knob of parallelism.
         self.tokenizer = load_pretrained("tokenizer", tokenizer, error=PrepareError)
         self.name = tokenizer
         self.vocab_size = len(self.tokenizer)
-        self.bos_id = self._special_id("BOS", self.tokenizer.bos_token_id) if add_bos else None
-        if separator == "eos":
-            self.separator_id = self._special_id("EOS", self.tokenizer.eos_token_id)
+        if add_bos and self.tokenizer.bos_token_id is None:
+            raise PrepareError(f"tokenizer {tokenizer!r} has no BOS token; drop {option('add_bos', True)}")
+        self.bos_id = int(self.tokenizer.bos_token_id) if add_bos else None
+        if separator in (None, "eos"):
+            if self.tokenizer.eos_token_id is None:
+                chosen = "use a tokenizer that has one" if separator is None else option("separator", "TOKEN")
+                raise PrepareError(f"tokenizer {tokenizer!r} has no EOS token to end documents: {chosen}")
+            self.separator_id = int(self.tokenizer.eos_token_id)
         else:
             ids = self.tokenizer.convert_tokens_to_ids([separator])
             if ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
-                raise PrepareError(f"separator {separator!r} is not a token of tokenizer {tokenizer!r}")
+                raise PrepareError(f"{option('separator')} {separator!r} is not a token of tokenizer {tokenizer!r}")
             self.separator_id = int(ids[0])
         self.dtype = np.dtype(smallest_token_dtype(self.vocab_size - 1))
         self.content_hash = tokenizer_hash(self.tokenizer)
         # The Rust backend's batched encode without offsets is the fastest path a fast tokenizer has.
         backend = getattr(self.tokenizer, "backend_tokenizer", None) if self.tokenizer.is_fast else None
         self._encode_fast = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
-
-    def _special_id(self, what: str, token_id: int | None) -> int:
-        if token_id is None:
-            raise PrepareError(f"tokenizer {self.name!r} has no {what} token; choose --separator or drop --add-bos")
-        return int(token_id)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens."""
@@ -139,7 +140,7 @@ def tokenized(
         except BrokenProcessPool:
             raise PrepareError(
                 "a tokenizer process died (killed, or out of memory?); nothing was written. "
-                "Run again, with a smaller --num-proc if memory is short"
+                f"Run again, with a smaller {option('num_proc')} if memory is short"
             ) from None
 
 
@@ -166,6 +167,10 @@ def _fingerprint(value: Any) -> str:
     return hashlib.blake2b(json.dumps(value).encode(), digest_size=16).hexdigest()
 
 
+def _replace_hint() -> str:
+    return f"pass {option('overwrite', True)} to replace them, or choose another {option('output')}"
+
+
 def _check_output(output: Path, fingerprint: str, names: str, overwrite: bool) -> ShardMetadata | None:
     """The finished output of this very run, if there is one; refuses to replace another corpus."""
     if (output / METADATA_FILE).exists():
@@ -177,7 +182,7 @@ def _check_output(output: Path, fingerprint: str, names: str, overwrite: bool) -
         elif not overwrite:
             raise PrepareError(
                 f"{output} already holds shards of other inputs or options (tokenizer {existing.tokenizer!r}, "
-                f"{existing.num_documents} documents); pass --overwrite to replace them, or choose another --output"
+                f"{existing.num_documents} documents); {_replace_hint()}"
             )
     elif not overwrite and output.is_dir():
         # Hidden entries are runs' temporary folders, not someone's data.
@@ -185,9 +190,7 @@ def _check_output(output: Path, fingerprint: str, names: str, overwrite: bool) -
         if held:
             parts = any(name.startswith("part-") for name in held)
             what = "prepared parts" if parts else f"files that are not a finished prepare output ({held[:3]})"
-            raise PrepareError(
-                f"{output} already holds {what}; pass --overwrite to replace them, or choose another --output"
-            )
+            raise PrepareError(f"{output} already holds {what}; {_replace_hint()}")
     return None
 
 
@@ -245,7 +248,7 @@ def prepare(
     *,
     glob: str | None = None,
     add_bos: bool = False,
-    separator: str = "eos",
+    separator: str | None = "eos",
     on_bad_row: str = "raise",
     keep_empty_documents: bool = False,
     overwrite: bool = False,
@@ -260,13 +263,14 @@ def prepare(
     options is refused unless ``overwrite``. ``output`` may be a URL (``s3://bucket/corpus``, with
     ``storage_options``): the output is written in a local temporary folder, then uploaded with its
     ``metadata.json`` last, so a reader never takes half an upload for a part. Inputs may be URLs
-    too, read with the same ``storage_options``.
+    too, read with the same ``storage_options``. ``separator`` is a ``DocumentTokenizer``'s: ``None``
+    (a caller that offers no choice of it, such as ``HFTextDataModule``) is the EOS, as ``"eos"`` is.
     """
     num_proc = num_proc or min(os.cpu_count() or 1, 8)
     for name, value in (("num_proc", num_proc), ("shard_tokens", shard_tokens), ("num_parts", num_parts)):
         require_int(name, value, 1, error=PrepareError)
     if not 0 <= part_index < num_parts:
-        raise PrepareError(f"part_index must be in [0, {num_parts}), got {part_index}")
+        raise PrepareError(f"{option('part_index')} must be in [0, {num_parts}), got {part_index}")
     bad_rows = BadRows(on_bad_row, keep_empty=keep_empty_documents)
     corpus = (
         inputs
@@ -281,8 +285,9 @@ def prepare(
         raise PrepareError(str(err)) from None
     output = root / PART_DIRECTORY.format(part_index) if num_parts > 1 else root
     if num_parts > 1 and (root / METADATA_FILE).exists() and not overwrite:
-        raise PrepareError(f"{root} already holds a corpus prepared in one part; pass --overwrite or another --output")
-    options = [FORMAT_VERSION, text_field, shard_tokens, split, add_bos, separator, on_bad_row, num_parts, part_index]
+        raise PrepareError(f"{root} already holds a corpus prepared in one part; {_replace_hint()}")
+    ending = separator or "eos"  # None ends documents as "eos" does: one output, one fingerprint
+    options = [FORMAT_VERSION, text_field, shard_tokens, split, add_bos, ending, on_bad_row, num_parts, part_index]
     options += ["keep_empty_documents"] if keep_empty_documents else []
     # What the output is of (inputs by name, tokenizer, options), and that plus the inputs' sizes and
     # times: the same corpus re-prepared after an edit is replaced, another corpus is refused.
@@ -302,7 +307,7 @@ def prepare(
     try:
         metadata = _write(corpus, text_field, bad_rows, document_tokenizer, num_proc, partial, shard_tokens)
         metadata.source_fingerprint = fingerprint
-        metadata.extra = {"part_index": part_index, "num_parts": num_parts, "add_bos": add_bos, "separator": separator}
+        metadata.extra = {"part_index": part_index, "num_parts": num_parts, "add_bos": add_bos, "separator": ending}
         metadata.extra.update(bad_rows_skipped=bad_rows.count, empty_documents_skipped=bad_rows.empty)
         metadata.extra.update(inputs_fingerprint=names)
         metadata.write(partial)
@@ -400,24 +405,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        prepare(
-            args.inputs,
-            args.output,
-            args.tokenizer,
-            args.text_field,
-            args.num_proc,
-            args.shard_tokens,
-            args.split,
-            glob=args.glob,
-            add_bos=args.add_bos,
-            separator=args.separator,
-            on_bad_row=args.on_bad_row,
-            keep_empty_documents=args.keep_empty_documents,
-            overwrite=args.overwrite,
-            num_parts=args.num_parts,
-            part_index=args.part_index,
-            storage_options=args.storage_options,
-        )
+        with options_as_flags():
+            prepare(
+                args.inputs,
+                args.output,
+                args.tokenizer,
+                args.text_field,
+                args.num_proc,
+                args.shard_tokens,
+                args.split,
+                glob=args.glob,
+                add_bos=args.add_bos,
+                separator=args.separator,
+                on_bad_row=args.on_bad_row,
+                keep_empty_documents=args.keep_empty_documents,
+                overwrite=args.overwrite,
+                num_parts=args.num_parts,
+                part_index=args.part_index,
+                storage_options=args.storage_options,
+            )
     except PrepareError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import fsspec
 
+from datamodules.plan.arguments import option
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.storage.locations import is_url, storage_path
 
@@ -65,7 +66,22 @@ def _split_suffix(name: str) -> tuple[str | None, str | None]:
     return _KINDS.get(Path(lower).suffix), compression
 
 
-SKIP_HINT = "on_bad_row='skip' (the prepare command's --on-bad-row skip) counts and skips such rows"
+def skip_hint() -> str:
+    """How to go past rows without text, in the caller's spelling (``option``)."""
+    return f"{option('on_bad_row', 'skip')} counts and skips such rows"
+
+
+def missing_column(where: str, text_field: str, columns: list[str]) -> str:
+    """The message for inputs without the text column: the columns they have, and the option that names it."""
+    name = option("text_field", "NAME")
+    return f"{where} has no column {text_field!r}; columns are {columns}: name the text's column with {name}"
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """A record without the text field, and the fields it has (none when it is not an object)."""
+
+    fields: tuple[str, ...] = ()
 
 
 @dataclass
@@ -82,18 +98,22 @@ class BadRows:
 
     def __post_init__(self) -> None:
         if self.policy not in BAD_ROW_POLICIES:
-            raise PrepareError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {self.policy!r}")
+            raise PrepareError(f"{option('on_bad_row')} must be one of {BAD_ROW_POLICIES}, got {self.policy!r}")
 
     def text(self, value: Any, where: str, text_field: str) -> str | None:
         """``value`` if it is a string; else raise, or count it and return ``None``."""
         if isinstance(value, str):
             return value
-        problem = (
-            "is missing" if value is _MISSING else ("is null" if value is None else f"is a {type(value).__name__}")
-        )
-        message = f"{where}: text field {text_field!r} {problem}"
+        if isinstance(value, _Missing):
+            # A mistyped field name misses it in every row: say the fields there are, and the option naming it.
+            fields = f" (its fields: {list(value.fields)})" if value.fields else ""
+            message = f"{where}: text field {text_field!r} is missing{fields}"
+            hint = f"name the text's field with {option('text_field', 'NAME')}, or {skip_hint()}"
+        else:
+            problem = "is null" if value is None else f"is a {type(value).__name__}"
+            message, hint = f"{where}: text field {text_field!r} {problem}", skip_hint()
         if self.policy == "raise":
-            raise PrepareError(f"{message} ({SKIP_HINT})")
+            raise PrepareError(f"{message}; {hint}")
         self.count += 1
         if len(self.examples) < 5:
             self.examples.append(message)
@@ -126,7 +146,11 @@ def _rows(path: str, batches: Iterable[list[Any]]) -> Iterator[tuple[str, Any]]:
     return ((f"{path} row {row}", value) for row, value in enumerate(chain.from_iterable(batches)))
 
 
-_MISSING = object()
+def _field(record: Any, text_field: str) -> Any:
+    """``record[text_field]``, or ``_Missing`` naming the fields ``record`` has."""
+    if isinstance(record, dict):
+        return record[text_field] if text_field in record else _Missing(tuple(record))
+    return _Missing()
 
 
 def _open(path: str, compression: str | None, storage_options: dict[str, Any] | None = None) -> Any:
@@ -194,7 +218,7 @@ class InputFile:
 
     @staticmethod
     def _records(records: Iterator[tuple[str, Any]], text_field: str, bad_rows: BadRows) -> Iterator[str]:
-        values = ((where, r.get(text_field, _MISSING) if isinstance(r, dict) else _MISSING) for where, r in records)
+        values = ((where, _field(r, text_field)) for where, r in records)
         return bad_rows.texts(values, text_field)
 
     def _parquet_documents(self, text_field: str, bad_rows: BadRows) -> Iterator[str]:
@@ -203,9 +227,7 @@ class InputFile:
         with self._open() as f:
             parquet = pq.ParquetFile(f)
             if text_field not in parquet.schema_arrow.names:
-                raise PrepareError(
-                    f"{self.path} has no column {text_field!r}; columns are {parquet.schema_arrow.names}"
-                )
+                raise PrepareError(missing_column(self.path, text_field, parquet.schema_arrow.names))
             batches = parquet.iter_batches(batch_size=BATCH_DOCUMENTS, columns=[text_field])
             yield from bad_rows.texts(_rows(self.path, (b.column(0).to_pylist() for b in batches)), text_field)
 
@@ -332,7 +354,7 @@ class DatasetCorpus:
         dataset = self.load()
         columns = dataset.column_names
         if columns is not None and text_field not in columns:
-            raise PrepareError(f"{self.path} has no column {text_field!r}; columns are {columns}")
+            raise PrepareError(missing_column(self.path, text_field, columns))
         batches = dataset.select_columns([text_field]).iter(batch_size=BATCH_DOCUMENTS)
         yield from bad_rows.texts(_rows(self.path, (b[text_field] for b in batches)), text_field)
 
@@ -368,7 +390,7 @@ def _directory_files(
             )
             raise PrepareError(
                 f"input directory {str(directory)!r} holds {what}; "
-                "choose the documents with --glob, e.g. '**/*.jsonl.gz'"
+                f"choose the documents with {option('glob')}, e.g. {option('glob', '**/*.jsonl.gz')}"
             )
     return [_input_file(p, storage_options) for p in paths]
 

@@ -191,11 +191,12 @@ def test_a_text_field_that_is_not_a_column_lists_the_columns(tmp_path: Path, tok
         dm.setup("fit")
 
 
-def test_a_null_text_names_the_row(tmp_path: Path, tokenizer: str) -> None:
+def test_a_null_text_names_the_row_and_the_argument_that_skips_it(tmp_path: Path, tokenizer: str) -> None:
     pq.write_table(pa.table({"text": ["a", "b", None, "c"] * 10}), tmp_path / "d.parquet", row_group_size=8)
     dm = stream_dm(tokenizer, data_files=str(tmp_path / "d.parquet"), shuffle_rows=100)
     dm.setup("fit")
-    with pytest.raises(ValueError, match=r"d.parquet row group \d row 2: text field 'text' is null"):
+    skip = "on_bad_row='skip' counts and skips such rows"
+    with pytest.raises(ValueError, match=rf"d.parquet row group \d row 2: text field 'text' is null; {skip}$"):
         next(iter(dm.train_dataloader()))
 
 

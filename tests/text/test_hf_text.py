@@ -176,8 +176,14 @@ def test_an_empty_split_is_an_error(tmp_path: Path, tokenizer: str) -> None:
 def test_a_tokenizer_without_eos_is_an_error(tmp_path: Path, tokenizer: str) -> None:
     no_eos = PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer) / "tokenizer.json"))
     no_eos.save_pretrained(tmp_path / "no_eos")
-    with pytest.raises(PrepareError, match=r"tokenizer .*no_eos' has no EOS token"):
+    # HFTextDataModule has no separator option to offer (the prepare command's --separator).
+    with pytest.raises(PrepareError, match=r"tokenizer .*no_eos' has no EOS token to end documents: use a tokenizer"):
         make_dm(tmp_path, str(tmp_path / "no_eos")).prepare_data()
+
+
+def test_a_tokenizer_without_bos_names_the_add_bos_argument(tmp_path: Path, tokenizer: str) -> None:
+    with pytest.raises(PrepareError, match=r"tokenizer .* has no BOS token; drop add_bos=True$"):
+        make_dm(tmp_path, tokenizer, add_bos=True).prepare_data()
 
 
 def test_a_hub_name_that_cannot_be_reached_is_one_short_error(
@@ -230,7 +236,7 @@ def test_empty_texts_never_become_documents_of_only_eos_in_training(tmp_path: Pa
 
 def test_on_bad_row_skip_counts_and_skips_null_texts_as_the_error_suggests(tmp_path: Path, tokenizer: str) -> None:
     datasets.Dataset.from_dict({"text": ["a b", "c", None, "d e"]}).save_to_disk(tmp_path / "saved")
-    with pytest.raises(PrepareError, match=r"saved row 2: text field 'text' is null \(on_bad_row='skip'"):
+    with pytest.raises(PrepareError, match=r"saved row 2: text field 'text' is null; on_bad_row='skip' counts"):
         make_dm(tmp_path, tokenizer, path=str(tmp_path / "saved")).prepare_data()
     dm = make_dm(tmp_path, tokenizer, path=str(tmp_path / "saved"), on_bad_row="skip", seq_len=2, batch_size=1)
     dm.prepare_data()

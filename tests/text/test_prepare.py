@@ -17,7 +17,7 @@ import datasets
 import numpy as np
 import pytest
 import zstandard
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from datamodules import TokenShardDataModule, TokenShards
 from datamodules.text.prepare import main, prepare
@@ -63,6 +63,20 @@ def cli_error(capsys: pytest.CaptureFixture, *args: str) -> str:
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err  # one short line, no traceback
     return err
+
+
+def errors_from_both(
+    capsys: pytest.CaptureFixture, inputs: list[str], output: Path, tokenizer: str, **options
+) -> tuple[str, str]:
+    """The message ``prepare`` raises with these options, and the one the command ends with, given them as flags."""
+    with pytest.raises(PrepareError) as raised:
+        prepare(inputs, output, tokenizer, num_proc=1, **options)
+    capsys.readouterr()
+    args = [*inputs, "--output", str(output), "--tokenizer", tokenizer, "--num-proc", "1"]
+    args += [f"--{name.replace('_', '-')}" for name in options]  # every option given is a switch here
+    with pytest.raises(SystemExit):
+        main(args)
+    return str(raised.value), capsys.readouterr().err.strip().splitlines()[-1]  # after any progress bar
 
 
 # Inputs
@@ -129,12 +143,15 @@ def test_a_directory_is_read_recursively_in_sorted_order_with_a_glob(tmp_path: P
     assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:20]
 
 
-def test_a_directory_of_several_kinds_without_a_glob_is_refused(tmp_path: Path, tokenizer: str) -> None:
+def test_a_directory_of_several_kinds_without_a_glob_is_refused(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_bytes(jsonl(DOCS))
     (tmp_path / "in" / "README.md").write_text("x")
-    with pytest.raises(PrepareError, match="several kinds .*choose the documents with --glob"):
-        prepare([str(tmp_path / "in")], tmp_path / "out", tokenizer)
+    python, command = errors_from_both(capsys, [str(tmp_path / "in")], tmp_path / "out", tokenizer)
+    assert "several kinds" in python and "choose the documents with glob, e.g. glob='**/*.jsonl.gz'" in python
+    assert "choose the documents with --glob, e.g. --glob '**/*.jsonl.gz'" in command
 
 
 def test_a_saved_dataset_dict_is_read_by_split(tmp_path: Path, tokenizer: str) -> None:
@@ -224,8 +241,69 @@ def test_an_empty_directory_is_an_error(tmp_path: Path, tokenizer: str) -> None:
 def test_a_row_without_text_names_file_and_line(tmp_path: Path, tokenizer: str, record: dict, problem: str) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_bytes(jsonl(DOCS[:3]) + json.dumps(record).encode() + b"\n" + jsonl(DOCS[3:5]))
-    with pytest.raises(PrepareError, match=f"docs.jsonl line 4: text field 'text' {problem} .*--on-bad-row skip"):
+    with pytest.raises(PrepareError, match=f"docs.jsonl line 4: text field 'text' {problem}.* on_bad_row='skip'"):
         prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1)
+
+
+def test_a_missing_text_field_names_the_fields_and_the_text_field_option(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS, key="body"))
+    python, command = errors_from_both(capsys, [str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer)
+    assert "line 1: text field 'text' is missing (its fields: ['body']); name the text's field with" in python
+    assert "text_field='NAME', or on_bad_row='skip' counts" in python and "--" not in python
+    assert "with --text-field NAME, or --on-bad-row skip counts" in command
+
+
+def test_a_null_text_names_the_option_that_skips_it(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(b'{"text": null}\n')
+    python, command = errors_from_both(capsys, [str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer)
+    assert python.endswith("text field 'text' is null; on_bad_row='skip' counts and skips such rows")
+    assert command.endswith("text field 'text' is null; --on-bad-row skip counts and skips such rows")
+
+
+def test_a_bad_number_on_the_command_line_names_its_flag(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS))
+    args = [str(tmp_path / "docs.jsonl"), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer]
+    assert cli_error(capsys, *args, "--num-proc", "-1").endswith("error: --num-proc must be a positive integer, got -1")
+    with pytest.raises(PrepareError, match="^num_proc must be a positive integer, got -1$"):
+        prepare([str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer, num_proc=-1)
+
+
+def test_a_missing_column_names_the_text_field_option(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    datasets.Dataset.from_dict({"body": ["x"]}).to_parquet(tmp_path / "d.parquet")
+    python, command = errors_from_both(capsys, [str(tmp_path / "d.parquet")], tmp_path / "out", tokenizer)
+    assert python.endswith("has no column 'text'; columns are ['body']: name the text's column with text_field='NAME'")
+    assert command.endswith("name the text's column with --text-field NAME")
+
+
+def test_a_tokenizer_without_bos_names_the_add_bos_option(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS))
+    python, command = errors_from_both(
+        capsys, [str(tmp_path / "docs.jsonl")], tmp_path / "out", tokenizer, add_bos=True
+    )
+    assert python.endswith("has no BOS token; drop add_bos=True")
+    assert command.endswith("has no BOS token; drop --add-bos")
+
+
+def test_a_tokenizer_without_eos_names_the_separator_option(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "docs.jsonl").write_bytes(jsonl(DOCS))
+    PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer) / "tokenizer.json")).save_pretrained(tmp_path / "no_eos")
+    python, command = errors_from_both(
+        capsys, [str(tmp_path / "docs.jsonl")], tmp_path / "out", str(tmp_path / "no_eos")
+    )
+    assert python.endswith("has no EOS token to end documents: separator='TOKEN'")
+    assert command.endswith("has no EOS token to end documents: --separator TOKEN")
 
 
 def test_a_parquet_null_names_file_and_row(tmp_path: Path, tokenizer: str) -> None:
@@ -280,12 +358,16 @@ def test_rerun_on_unchanged_input_is_a_no_op_and_an_edited_input_is_prepared_aga
     assert prepare([str(path)], tmp_path / "out", tokenizer, num_proc=1).num_documents == 10
 
 
-def test_an_output_of_other_inputs_is_refused_unless_overwrite(tmp_path: Path, tokenizer: str) -> None:
+def test_an_output_of_other_inputs_is_refused_unless_overwrite(
+    tmp_path: Path, tokenizer: str, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "a.jsonl").write_bytes(jsonl(DOCS[:10]))
     (tmp_path / "b.jsonl").write_bytes(jsonl(DOCS[10:]))
     prepare([str(tmp_path / "a.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
-    with pytest.raises(PrepareError, match=r"out already holds shards of other inputs .*pass --overwrite"):
-        prepare([str(tmp_path / "b.jsonl")], tmp_path / "out", tokenizer, num_proc=1)
+    python, command = errors_from_both(capsys, [str(tmp_path / "b.jsonl")], tmp_path / "out", tokenizer)
+    assert "out already holds shards of other inputs" in python
+    assert python.endswith("pass overwrite=True to replace them, or choose another output")
+    assert command.endswith("pass --overwrite to replace them, or choose another --output")
     assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[:10]
     prepare([str(tmp_path / "b.jsonl")], tmp_path / "out", tokenizer, num_proc=1, overwrite=True)
     assert decoded_documents(tmp_path / "out", tokenizer) == DOCS[10:]
