@@ -15,9 +15,7 @@ import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import datasets
 import numpy as np
 import pyarrow.compute
 
-from datamodules.plan.arguments import program_name, require_int
+from datamodules.plan.arguments import option, options_as_flags, program_name, require_int
 from datamodules.plan.hf_loading import load_pretrained, load_split, one_line
 
 log = logging.getLogger(__name__)
@@ -37,29 +35,6 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 TEXT_PARTS = ("text", "input_text", "output_text")
 MANIFEST = "prepare_conversations.json"
 FORMAT_VERSION = 2  # 2: content parts as text, conversations with a turn without content left out
-
-# The flags of the command running now, by keyword (set by ``main``): messages name the option of the interface
-# that raised them, ``--chat-template`` on the command line and ``chat_template`` in Python.
-_COMMAND_FLAGS: ContextVar[dict[str, str] | None] = ContextVar("command_flags", default=None)
-
-
-def option(name: str, value: object = None) -> str:
-    """The keyword argument ``name`` (with ``value``) as the interface running now spells it: the command's
-    flag under its ``main`` (``--overwrite``, ``--split NAME``), else the keyword (``overwrite=True``)."""
-    flag = (_COMMAND_FLAGS.get() or {}).get(name)
-    if flag is None:
-        return name if value is None else f"{name}={value!r}"
-    return flag if value is None or value is True else f"{flag} {value}"
-
-
-@contextmanager
-def command_flags(parser: argparse.ArgumentParser) -> Iterator[None]:
-    """Within it, ``option`` names the flags of ``parser``'s command."""
-    token = _COMMAND_FLAGS.set({a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings})
-    try:
-        yield
-    finally:
-        _COMMAND_FLAGS.reset(token)
 
 
 class ConversationError(ValueError):
@@ -462,8 +437,8 @@ def prepare_conversations(
     """
     inputs = [inputs] if isinstance(inputs, str) else list(inputs)
     if max_len is not None:
-        require_int(option("max_len"), max_len, 1, ConversationError)
-    require_int(option("num_proc"), num_proc, 1, ConversationError)
+        require_int("max_len", max_len, 1, ConversationError)
+    require_int("num_proc", num_proc, 1, ConversationError)
     conversation_tokenizer = ConversationTokenizer(tokenizer, chat_template)
     template = conversation_tokenizer.tokenizer.chat_template
     fingerprint = _fingerprint(inputs, tokenizer, template, max_len, split=split, system_prompt=system_prompt)
@@ -562,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        with command_flags(parser):
+        with options_as_flags():
             prepare_conversations(
                 args.inputs,
                 args.tokenizer,
