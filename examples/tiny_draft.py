@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import LightningModule
 
+from examples.tiny_lm import log_held_out
+
 
 class TinyDraft(LightningModule):
     """Predicts the verifier's last-layer state at each position from its earlier layers' states and
@@ -50,7 +52,10 @@ class TinyDraft(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.log("val_loss", self.loss(batch), prog_bar=True, sync_dist=True)
+        log_held_out(self, "val_loss", self.loss(batch), dataloader_idx)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        log_held_out(self, "test_loss", self.loss(batch), dataloader_idx)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)

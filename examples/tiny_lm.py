@@ -8,6 +8,17 @@ from lightning.pytorch import LightningModule
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
+def log_held_out(module: LightningModule, metric: str, loss: torch.Tensor, dataloader_idx: int) -> None:
+    """Logs a validation or test ``metric`` (``"val_loss"``, ``"test_loss"``), named by its source
+    (``val_loss/web``) where the DataModule has a loader per source and says which (``held_out_names``)."""
+    role = "validation" if module.trainer.validating or module.trainer.sanity_checking else "test"
+    datamodule = getattr(module.trainer, "datamodule", None)
+    names = datamodule.held_out_names(role) if hasattr(datamodule, "held_out_names") else []
+    named = len(names) > 1
+    name = f"{metric}/{names[dataloader_idx]}" if named else metric
+    module.log(name, loss, prog_bar=True, sync_dist=True, add_dataloader_idx=not named)
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over positions with a label; 0 for a batch that has none (padding)."""
     total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
@@ -17,9 +28,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class TinyCausalLM(LightningModule):
     """A small Llama trained on batches that follow the batch contract (labels already shifted).
 
+    Validation and test losses are logged as ``val_loss`` and ``test_loss``, or by source
+    (``val_loss/web``) where the DataModule has a loader per source (``held_out_names``).
+
     Args:
         vocab_size: must cover the tokenizer's ids.
-        hidden_size: model width. num_layers: decoder layers. num_heads: attention heads.
+        hidden_size: model width.
+        num_layers: decoder layers.
+        num_heads: attention heads.
         max_seq_len: longest sequence (position embedding range).
         learning_rate: AdamW learning rate.
     """
@@ -58,7 +74,10 @@ class TinyCausalLM(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.log("val_loss", causal_lm_loss(self(batch), batch["labels"]), prog_bar=True, sync_dist=True)
+        log_held_out(self, "val_loss", causal_lm_loss(self(batch), batch["labels"]), dataloader_idx)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        log_held_out(self, "test_loss", causal_lm_loss(self(batch), batch["labels"]), dataloader_idx)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate)

@@ -31,8 +31,9 @@ class TinyVLM(TinyCausalLM):
     Args:
         vocab_size, hidden_size, num_layers, num_heads, learning_rate: see ``TinyCausalLM``.
         max_seq_len: longest sequence (the DataModule's ``max_text_len``).
-        image_size: pixels per side. patch_size: pixels per patch side; the DataModule's
-            ``num_image_tokens`` must be ``(image_size // patch_size) ** 2``.
+        image_size: pixels per side.
+        patch_size: pixels per patch side; the DataModule's ``num_image_tokens`` must be
+            ``(image_size // patch_size) ** 2``.
     """
 
     def __init__(

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from datamodules.plan.arguments import require_int
+from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
@@ -118,6 +119,10 @@ class PlanDataModule(LightningDataModule):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._loaders = weakref.WeakSet()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        expand_argument_docs(cls)  # every argument's own help in LightningCLI (``--data.help``)
 
     def build_sources(self) -> list[tuple[str, Source | None, dict[str, Source]]]:
         """``(name, train, held)`` of every source: ``held`` maps ``"validation"`` and ``"test"`` to
@@ -517,6 +522,11 @@ class PlanDataModule(LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         return self._held_loaders("validation", "")
+
+    def held_out_names(self, role: str = "validation") -> list[str]:
+        """The source of each ``role`` loader (``"validation"`` or ``"test"``), in the loaders' order: a
+        model names its metrics by them (``val_loss/web``) rather than by ``dataloader_idx``."""
+        return [name for name, _ in self._held.get(role, [])]
 
     def test_dataloader(self) -> DataLoader | list[DataLoader]:
         """The test split(s), evaluated as validation is: every sample once across ranks."""

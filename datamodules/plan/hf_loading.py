@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import glob
 import hashlib
 import json
@@ -85,11 +86,30 @@ def saved_dataset_copy(url: str, storage_options: dict[str, Any] | None = None) 
     return str(target)
 
 
+def _builder_meant(path: str) -> str | None:
+    """The builder a one-word ``path`` that is none most likely means: the one reading files of that
+    extension (``"jsonl"``: ``"json"``) or the nearest name (``"parquett"``); ``None`` if neither."""
+    from datasets.packaged_modules import _EXTENSION_TO_MODULE, _PACKAGED_DATASETS_MODULES
+
+    if "/" in path or is_url(path) or os.path.exists(path) or _is_builder(path):
+        return None
+    by_extension = _EXTENSION_TO_MODULE.get(f".{path.lstrip('.')}")
+    close = difflib.get_close_matches(path, list(_PACKAGED_DATASETS_MODULES), n=1, cutoff=0.8)
+    return by_extension[0] if by_extension else close[0] if close else None
+
+
 def check_data_files(path: str, data_files: str | list[str] | dict[str, Any] | None) -> None:
     """For a builder (``"json"``, ``"parquet"``, ``"imagefolder"``, ...), every local ``data_files`` pattern
     must match a file: else an error naming the pattern, at construction (``load_dataset`` would say,
-    at setup, only that the files are invalid). Patterns of a hub dataset are the hub's, not checked."""
-    if data_files is None or not _is_builder(path):
+    at setup, only that the files are invalid). Patterns of a hub dataset are the hub's, not checked.
+    A ``path`` with ``data_files`` that misspells a builder (``"jsonl"``) is refused naming the builder
+    meant, instead of being looked up on the Hub (a long wait without network, then a hub error)."""
+    if data_files is None:
+        return
+    meant = _builder_meant(str(path))
+    if meant is not None:
+        raise ValueError(f"path {path!r} is not a datasets builder; did you mean {meant!r}?")
+    if not _is_builder(path):
         return
     values = data_files.values() if isinstance(data_files, dict) else [data_files]
     for value in values:

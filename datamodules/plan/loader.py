@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.stopping import from_workers, stop_together
@@ -269,6 +270,10 @@ class PlanDataLoader(DataLoader):
 
 class SourceSpec(ABC):
     """A configured source (a YAML entry): builds its training samples and validation samples."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        expand_argument_docs(cls)  # every argument's own help in LightningCLI (``--data.help``)
 
     def hyperparameters(self) -> dict[str, Any]:
         """The source as a config names it (``class_path`` and ``init_args`` of plain values), for a

@@ -48,8 +48,9 @@ class ConversationSource(SourceSpec):
             one dataset).
         val_split, test_split: splits of the same hub dataset or ``DatasetDict`` held out; or
         val_fraction, test_fraction: conversations held out, drawn by a fixed keyed shuffle.
-        max_length: the longest conversation kept whole; a longer one is ``over_long``: ``"truncate"``-d
-            (default) or ``"drop"``-ped, and counted. Default: a row.
+        max_length: the longest conversation kept whole. Default: a row.
+        over_long: a conversation longer than ``max_length`` is ``"truncate"``-d (default) or
+            ``"drop"``-ped, and counted.
         train_on_prompt: labels on every token of a conversation, not only the assistant's.
         attention_mask: ``"none"`` (default) or ``"block"`` (see ``ConversationRows``).
         length_quantum: see ``PackedRows``.
