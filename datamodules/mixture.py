@@ -256,13 +256,13 @@ class MixtureDataModule(PlanDataModule):
     def source_weights(self) -> list[float]:
         return list(self.probabilities_at(getattr(self.trainer, "global_step", 0)))
 
-    def realized_counts(self, position: int | None = None) -> dict[str, dict[str, int]]:
-        """Samples, tokens and started passes of every source in positions ``[0, position)``
-        (default: the positions trained so far)."""
+    def realized_counts(self, position: int | None = None) -> dict[str, dict[str, float]]:
+        """Samples, tokens and passes done (samples over the source's size: 0.5 is half a pass) of every
+        source in positions ``[0, position)`` (default: the positions trained so far)."""
         if self.plan is None:
             return {}
         drawn = self.plan.samples_drawn(self.positions_consumed if position is None else position)
         return {
-            s.name: {"samples": int(d), "tokens": int(d) * self.seq_len, "passes": -(-int(d) // s.num_samples)}
+            s.name: {"samples": int(d), "tokens": int(d) * self.seq_len, "passes": int(d) / s.num_samples}
             for s, d in zip(self.sources, drawn, strict=True)
         }

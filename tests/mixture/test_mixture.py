@@ -262,7 +262,9 @@ def test_metrics_are_logged_on_the_step_they_describe(
         assert [float(rows[s][f"mixture/{name}/samples"]) for s in range(8)] == drawn[:, i].tolist()
         assert [float(rows[s][f"mixture/{name}/tokens"]) for s in range(8)] == (drawn[:, i] * SEQ_LEN).tolist()
     if with_scheduler:
-        assert float(rows[7]["mixture/c/passes"]) == 2  # 5*2 + 3*7 = 31 samples of a 30-window source
+        # Passes done, not begun: 5*2 + 3*7 = 31 samples of a 30-window source.
+        assert float(rows[7]["mixture/c/passes"]) == pytest.approx(31 / 30)
+        assert [float(rows[s]["mixture/c/passes"]) for s in range(8)] == pytest.approx(drawn[:, 2] / 30)
 
 
 def test_sources_of_different_tokenizers_are_refused_unless_allowed(tmp_path: Path) -> None:
