@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datamodules.callbacks.progress_lines import epoch_batches, epoch_name
+from datamodules.callbacks.progress_lines import epoch_name
 from lightning.pytorch.callbacks import RichProgressBar
 from typing_extensions import override
 
 
 class EpochProgressBar(RichProgressBar):
-    """``RichProgressBar`` whose length is the batches the epoch holds in this fit (``epoch_batches``),
-    and whose label is ``Epoch 3``, or ``Epoch 3/9`` where ``max_epochs`` bounds the fit.
+    """``RichProgressBar`` whose length is the epoch's number of batches, and whose label is ``Epoch 3``,
+    or ``Epoch 3/9`` where ``max_epochs`` bounds the fit.
 
     Lightning's own bar takes the steps left before ``max_steps`` as the epoch's length, while its
     count goes on from the batch the epoch reached: resumed at batch 20 with 10 steps to go, it read
@@ -20,7 +20,7 @@ class EpochProgressBar(RichProgressBar):
     @property
     @override
     def total_train_batches(self) -> int | float:
-        return epoch_batches(self.trainer)
+        return self.trainer.num_training_batches
 
     # Lightning's label of the training bar, which renders max_epochs=-1 as "/-2".
     def _get_train_description(self, current_epoch: int) -> str:

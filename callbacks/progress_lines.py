@@ -15,20 +15,6 @@ from lightning.pytorch.callbacks import ProgressBar
 from typing_extensions import override
 
 
-def epoch_batches(trainer: pl.Trainer) -> int | float:
-    """Batches the current epoch holds in this fit: its loader's length, or fewer where ``max_steps``
-    ends the fit inside it. Counted from the batches done, so an epoch resumed halfway gets its real
-    length (Lightning's bars take the steps left as the length, whatever the batches done)."""
-    batches = trainer.num_training_batches
-    if not (trainer.max_steps and trainer.max_steps > 0):
-        return batches
-    accumulate = max(1, int(trainer.accumulate_grad_batches))
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-    # Batches done since the last optimizer step do not count against the steps left yet.
-    ends_at = done - done % accumulate + (trainer.max_steps - trainer.global_step) * accumulate
-    return min(batches, ends_at)
-
-
 def epoch_name(trainer: pl.Trainer) -> str:
     """``"epoch 3"``, or ``"epoch 3/9"`` where ``max_epochs`` bounds the fit (not ``-1``: max_steps does)."""
     epochs = trainer.max_epochs
@@ -45,8 +31,9 @@ class ProgressLines(ProgressBar):
         epoch 1 | batch 13/28 | step 40/300 | 2.31 steps/s | train_loss=5.123 | v_num=0
         validation at step 100 | val_loss=4.210
 
-    The batch count is the epoch's (a resumed epoch goes on from the batch it reached); metrics are
-    those logged with ``prog_bar=True``. Lines go to stdout, flushed, from global rank 0. The CLI
+    The batch count is the epoch's, of all its batches (a resumed epoch goes on from the batch it
+    reached; one that ``max_steps`` ends early stops short); metrics are those logged with
+    ``prog_bar=True``. Lines go to stdout, flushed, from global rank 0. The CLI
     (``python -m datamodules.cli``) uses it in place of the bar when stdout is not a terminal.
 
     Args:
@@ -94,7 +81,7 @@ class ProgressLines(ProgressBar):
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else math.inf
         parts = [
             epoch_name(trainer),
-            f"batch {_count(batch_idx + 1, epoch_batches(trainer))}",
+            f"batch {_count(batch_idx + 1, trainer.num_training_batches)}",
             f"step {_count(step, steps)}",
             f"{(step - last_step) / max(now - last_time, 1e-9):.3g} steps/s",
             *self._metrics(trainer, pl_module),

@@ -132,12 +132,12 @@ def test_a_fit_with_stdout_piped_prints_progress_lines(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     progress = [line.split(" | ")[:3] for line in lines if line.startswith("epoch")]
-    # 15 steps an epoch: the second epoch's batches count from 1 again.
+    # 15 steps an epoch: the second epoch's batches count from 1 again, and max_steps ends it at 5.
     assert progress == [
         ["epoch 0", "batch 5/15", "step 5/20"],
         ["epoch 0", "batch 10/15", "step 10/20"],
         ["epoch 0", "batch 15/15", "step 15/20"],
-        ["epoch 1", "batch 5/5", "step 20/20"],
+        ["epoch 1", "batch 5/15", "step 20/20"],
     ]
     assert all(re.search(r"\| train_loss=\d", line) for line in lines if line.startswith("epoch"))
     assert [line.split(" | ")[0] for line in lines if line.startswith("validation")] == ["validation at step 10"]

@@ -31,7 +31,7 @@ def datamodule(shards: Path) -> TokenShardDataModule:
 def test_a_bar_resumed_halfway_through_an_epoch_counts_to_the_epochs_length(halfway: tuple[Path, Path]) -> None:
     shards, checkpoint = halfway
     bar = EpochProgressBar()
-    # Seven steps to go: Lightning's own bar took them as the epoch's length, reading 10/7 at its end.
+    # Seven steps to go: Lightning's own bar took the steps left as the epoch's length, reading 10/6.
     trainer = quiet_trainer(max_steps=20, callbacks=[bar], enable_progress_bar=True)
     trainer.fit(RecordingModel(), datamodule=datamodule(shards), ckpt_path=checkpoint)
     task = bar.progress.tasks[bar.train_progress_bar_id]
