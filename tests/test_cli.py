@@ -91,20 +91,7 @@ CONFIGURABLE = sorted(
     key=lambda cls: cls.__name__,
 )
 # Arguments documented only inside another's entry, in files of datamodules/vision/.
-UNDOCUMENTED = {"ImageTextDataModule": "prompt", "ImageTextSource": "prompt", "VideoDataModule": "frame_options"}
-UNDOCUMENTED["VideoSource"] = "frame_options"
-
-
-@pytest.mark.parametrize(
-    "cls",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(reason=f"{UNDOCUMENTED[c.__name__]} undocumented", strict=True))
-        if c.__name__ in UNDOCUMENTED
-        else c
-        for c in CONFIGURABLE
-    ],
-    ids=[c.__name__ for c in CONFIGURABLE],
-)
+@pytest.mark.parametrize("cls", CONFIGURABLE, ids=[c.__name__ for c in CONFIGURABLE])
 def test_every_option_of_a_datamodule_or_source_has_its_help(cls: type) -> None:
     parser = ArgumentParser()
     parser.add_class_arguments(cls, "data")

@@ -55,7 +55,8 @@ class ImageTextSource(SourceSpec):
         data_files: ``load_dataset``'s ``data_files``.
         image_field: the image column (``datasets.Image``, bytes, or a file path).
         text_field: the answer or caption column.
-        prompt_field: the prompt column; or ``prompt``: one prompt for every row (default none).
+        prompt_field: the prompt column (default none).
+        prompt: one prompt for every row, instead of a ``prompt_field`` (default none).
         image_size: pixels per side (default 224); with a processor, the processor's.
         resize_mode: ``"crop"`` (shorter side to ``image_size``, center crop; the default without a
             processor) or ``"square"``; a processor resizes in its own way, so it is refused there.

@@ -42,6 +42,8 @@ class VideoSource(SourceSpec):
             ``{"video_field": "path"}`` for ``"hf"``).
         frame_sampling: the policy (``FRAME_SAMPLERS``): ``"uniform"`` (``fps``, ``min_frames``)
             or ``"fixed_count"`` (``num_frames``, ``random_offset``), with its ``frame_options``.
+        frame_options: the policy's settings, e.g. ``{"fps": 1.0}`` or ``{"num_frames": 8,
+            "random_offset": true}``.
         max_frames: the frame axis of every batch; fewer sampled frames are masked out.
         frame_accuracy: ``"exact"`` (default: each timestamp gets its nearest frame, exactly as a
             decode-everything reference), or ``"keyframe"``: its nearest keyframe, decoding only
