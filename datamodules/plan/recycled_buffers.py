@@ -58,7 +58,9 @@ def _receive(free: torch.Tensor, slot: int, buffer: torch.Tensor) -> None:
 
 def release_returned() -> None:
     """Give back to their workers the buffers received that nothing in this process refers to any more."""
-    with _returned_lock:
+    # A flag received under inference mode (a validation or test batch) is an inference tensor, which
+    # only inference mode may write: a training batch after it gives it back all the same.
+    with _returned_lock, torch.inference_mode():
         kept = []
         for storage, free, slot in _returned:
             if _use_count(storage) == 1:

@@ -50,6 +50,18 @@ def test_a_workers_buffer_comes_back_once_the_main_process_lets_go_even_of_a_bat
     assert worker.take(256, shared=True)[0].data_ptr() == pointer
 
 
+def test_a_buffer_received_under_inference_mode_comes_back_outside_it() -> None:
+    # Validation and test batches arrive under inference mode; the next training batch gives them back.
+    worker = RecycledBuffers(slots=1)
+    buffer, ticket = worker.take(256, shared=True)
+    with torch.inference_mode():
+        received, _ = ForkingPickler.loads(ForkingPickler.dumps((buffer[:16], ticket)))
+    pointer = received.data_ptr()
+    del buffer, ticket, received
+    release_returned()
+    assert worker.take(256, shared=True)[0].data_ptr() == pointer
+
+
 def test_views_lay_tensors_out_one_after_another_without_overlap() -> None:
     layout = {"ids": ((3, 5), torch.int64), "states": ((3, 5, 2, 4), torch.bfloat16), "mask": ((3,), torch.uint8)}
     tensors = views(torch.empty(nbytes_of(layout), dtype=torch.uint8), layout)
