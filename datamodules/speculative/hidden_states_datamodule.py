@@ -65,6 +65,8 @@ class HiddenStatesDataModule(PlanDataModule):
         total_seq_len: tokens per packed row.
         hidden_states_dir: where the ``hs_{i}.safetensors`` files are; default ``data_dir/hidden_states``.
         train_ratio: rows ``[0, int(n * train_ratio))`` train, the rest validate (speculators' split); in (0, 1).
+        test_ratio: the last ``int(n * test_ratio)`` rows of the held-out ones are a test split
+            (``Trainer.test``) instead of validation; default 0: none, speculators' split unchanged.
         dtype: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``: the hidden states' dtype.
         on_missing: states missing or not matching their tokens: ``"raise"`` (default), ``"skip"``
             (counted, logged once each), ``"warn"`` (each also logged when met) or ``"generate"``
@@ -107,6 +109,7 @@ class HiddenStatesDataModule(PlanDataModule):
         total_seq_len: int,
         hidden_states_dir: str | None = None,
         train_ratio: float = 0.9,
+        test_ratio: float = 0.0,
         dtype: str = "bfloat16",
         on_missing: str = "raise",
         server: GenerationServer | None = None,
@@ -145,6 +148,9 @@ class HiddenStatesDataModule(PlanDataModule):
         self.storage_options = storage_options
         self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes)
         self.train_ratio = require_ratio(train_ratio)
+        if isinstance(test_ratio, bool) or not isinstance(test_ratio, int | float) or not 0 <= test_ratio < 1:
+            raise ValueError(f"test_ratio must be a number in [0, 1), got {test_ratio!r}")
+        self.test_ratio = float(test_ratio)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
@@ -172,15 +178,21 @@ class HiddenStatesDataModule(PlanDataModule):
         # Plain values, so ``torch.load(weights_only=True)`` reads the checkpoint.
         self.hparams["server"] = asdict(server) if server is not None else None
 
-    test_options = "its rows split into training and validation only (train_ratio), as speculators' do"
+    test_options = "give it test_ratio (its held-out rows' last part)"
 
     def spawn_reasons(self) -> list[str]:
         reasons = ["CUDA is initialised in this process"] if torch.cuda.is_initialized() else []
         return reasons + (["this process holds a client of the generation server"] if self.server else [])
 
-    def build_sources(self) -> list[tuple[str, HiddenStateRows, HiddenStateRows]]:
+    def build_sources(self) -> list[tuple[str, HiddenStateRows, dict[str, HiddenStateRows]]]:
         dataset = self._load()
         first_val = train_rows(len(dataset), self.train_ratio)
+        first_test = len(dataset) - int(len(dataset) * self.test_ratio)
+        if first_test <= first_val:
+            raise ValueError(
+                f"test_ratio={self.test_ratio} of {len(dataset)} rows takes all {len(dataset) - first_val} held out by "
+                f"train_ratio={self.train_ratio}: validation needs at least one row"
+            )
         store = STORES[self.store](self.hidden_states_dir, self.files)
         client = None
         if self.server is not None:
@@ -211,8 +223,10 @@ class HiddenStatesDataModule(PlanDataModule):
         train = HiddenStateRows(
             dataset, 0, first_val, fetcher, noise=self.noise, noise_std=self.noise_std, name="train", **common
         )
-        val = HiddenStateRows(dataset, first_val, len(dataset), fetcher, name="validation", **common)
-        return [("train", train, val)]
+        held = {"validation": HiddenStateRows(dataset, first_val, first_test, fetcher, name="validation", **common)}
+        if first_test < len(dataset):
+            held["test"] = HiddenStateRows(dataset, first_test, len(dataset), fetcher, name="test", **common)
+        return [("train", train, held)]
 
     def _load(self) -> Any:
         if not is_saved_dataset(self.data_dir, self.storage_options):

@@ -104,6 +104,20 @@ def test_an_epoch_trains_every_training_conversation_once_and_validation_holds_t
     assert trained == Counter(digest[:first_val]) and validated == Counter(digest[first_val:])
 
 
+def test_test_ratio_tests_the_last_held_out_rows_and_validation_the_ones_before(data_dir: Path) -> None:
+    dm = datamodule(data_dir, test_ratio=0.05)
+    digest = [row_digest(torch.tensor(r["input_ids"])) for r in dataset_rows(data_dir)]
+    first_val, first_test = train_rows(ROWS, 0.9), ROWS - int(ROWS * 0.05)
+    assert Counter(conversation_digests(one_epoch(dm))) == Counter(digest[:first_val])
+    assert Counter(conversation_digests(list(dm.val_dataloader()))) == Counter(digest[first_val:first_test])
+    assert Counter(conversation_digests(list(dm.test_dataloader()))) == Counter(digest[first_test:])
+
+
+def test_a_test_ratio_that_leaves_no_validation_row_is_refused(data_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"test_ratio=0.1 of \d+ rows takes all \d+ held out by train_ratio=0.9"):
+        datamodule(data_dir, test_ratio=0.1)
+
+
 @pytest.mark.parametrize("size", [20, 101, 997])
 def test_train_and_validation_rows_are_contiguous_complementary_and_disjoint(size: int) -> None:
     for ratio in (0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.75, 0.9, 0.95):
