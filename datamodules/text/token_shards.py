@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 
 from datamodules.plan.loader import same_tokenizer
 from datamodules.storage.locations import describe_error, is_url, storage_path
-from datamodules.storage.range_reader import RangeReader, read_ranges
+from datamodules.storage.range_reader import ChangedDuringRun, RangeReader, changed_message, read_ranges
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import EDGE_BYTES, METADATA_FILE, ShardMetadata, edge_ranges, edges_digest
 
@@ -36,6 +38,9 @@ _NPY_HEAD = 16_384
 PART_GLOB = "part-*"
 PREFETCH_STEPS = 16
 IO_THREADS = 16
+# Seconds between checks that the local shards a process maps are the ones opened (a stat each): a
+# check per batch would cost a few microseconds a shard, a tenth of the memory-mapped read itself.
+CHECK_EVERY = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,11 @@ class _Layout:
     document_starts: np.ndarray | None
     fingerprint: str
     vocabulary: dict[str, Any] | None  # the tokenizer and EOS id that wrote the tokens, when recorded
+
+
+def _version(path: str) -> tuple[int, int]:
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _npy_shards(paths: list[Path]) -> list[_Shard]:
@@ -299,6 +309,8 @@ class TokenShards:
             raise OSError(f"cannot read token shards at {str(directory)!r}: {describe_error(err)}") from None
         self._set_layout(layout)
         self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
+        # Local shards' (size, mtime) as opened; a remote one's ETag goes with each read instead.
+        self._versions = [None if reader else _version(str(s.path)) for s in self._shards]
 
     def _set_layout(self, layout: _Layout) -> None:
         self.dtype = layout.dtype
@@ -318,6 +330,7 @@ class TokenShards:
         self._layout = layout
         self._maps: dict[int, np.ndarray] = {}
         self._memory: np.ndarray | None = None
+        self._checked_at = time.monotonic()
 
     @classmethod
     def from_tokens(
@@ -330,6 +343,7 @@ class TokenShards:
         shard = _Shard(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
         shards._set_layout(_Layout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
         shards._memory, shards._readers, shards.prefetch_steps = tokens, [None], PREFETCH_STEPS
+        shards._versions = [None]
         return shards
 
     @classmethod
@@ -340,6 +354,7 @@ class TokenShards:
         joined.prefetch_steps = max(part.prefetch_steps for part in parts)
         joined._set_layout(_concat([p._layout for p in parts]))
         joined._readers = [reader for part in parts for reader in part._readers]
+        joined._versions = [version for part in parts for version in part._versions]
         return joined
 
     def __getstate__(self) -> dict:
@@ -370,6 +385,22 @@ class TokenShards:
             return
         for i, local, column, take in self._pieces(start, out.shape[0]):
             out[column : column + take] = self._map(i)[local : local + take]
+        self._check_unchanged()
+
+    def _check_unchanged(self) -> None:
+        """Every ``CHECK_EVERY`` seconds, after a read: the local shards this process maps must still be
+        the files opened (size and mtime). One rewritten in place would mix two versions in the windows."""
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_EVERY:
+            return
+        self._checked_at = now
+        for i in list(self._maps):
+            path, recorded = str(self._shards[i].path), self._versions[i]
+            found = recorded and _version(path)
+            if found != recorded:
+                detail = f"{recorded[0]} bytes, mtime_ns {recorded[1]} when opened; now {found[0]} bytes, "
+                detail += f"mtime_ns {found[1]}"
+                raise ChangedDuringRun(changed_message(path, detail))
 
     def _pieces(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
         """Tokens ``[start, start + count)`` of the stream shard by shard: ``(shard, first token in
@@ -397,6 +428,7 @@ class TokenShards:
                 out[row] = self._map(i)[lo : lo + width]
             else:
                 self.read_into(int(starts[row]), out[row])
+        self._check_unchanged()
         return out
 
     def _read_remote(self, starts: np.ndarray, width: int) -> np.ndarray:

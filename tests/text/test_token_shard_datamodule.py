@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from datamodules import TokenShardDataModule
+from datamodules.storage.range_reader import ChangedDuringRun
 from datamodules.text.shard_metadata import ShardInfo, ShardMetadata
-from tests.support import all_tokens, make_token_shards
+from tests.support import RecordingModel, all_tokens, make_token_shards, quiet_trainer
 
 
 def setup_dm(path: Path, **kwargs) -> TokenShardDataModule:
@@ -357,3 +359,29 @@ def test_a_megatron_index_with_a_wrong_header_is_refused(tmp_path: Path) -> None
     (tmp_path / "x.bin").write_bytes(b"\0" * 8)
     with pytest.raises(ValueError, match=r"x.idx is not a Megatron MMIDIDX index"):
         setup_dm(tmp_path)
+
+
+class ShardRewriter(Callback):
+    """Rewrites ``shard`` in place (same size, other tokens) after ``step``: a shard changed under a run."""
+
+    def __init__(self, shard: Path, step: int) -> None:
+        self.shard, self.step = shard, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            tokens = np.load(self.shard, mmap_mode="r+")
+            tokens[:] = tokens[::-1].copy()
+            tokens.flush()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_rewritten_in_place_under_a_run_stops_it_naming_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    monkeypatch.setattr("datamodules.text.token_shards.CHECK_EVERY", 0.0)  # checked at every read
+    shards = make_token_shards(tmp_path / "shards", 8 * 40 + 1, shard_tokens=97)
+    dm = TokenShardDataModule(shards, seq_len=8, batch_size=4, num_workers=workers)
+    trainer = quiet_trainer(max_steps=20, callbacks=[ShardRewriter(shards / "shard_00001.npy", 2)])
+    with pytest.raises(ChangedDuringRun, match=r"shard_00001.npy changed during the run: 516 bytes, mtime_ns"):
+        trainer.fit(RecordingModel(), datamodule=dm)
+    assert trainer.global_step < 20  # batches the workers read before the rewrite may still train
