@@ -68,6 +68,26 @@ def fit_records(
     return model.records
 
 
+def fit_in_a_plain_script(datamodule: str, max_steps: int) -> tuple[str, list[list[str]]]:
+    """Output of ``Trainer.fit`` on ``datamodule`` (an expression over ``datamodules``' names) in a fresh
+    Python with no logging set up, and the data summary's table rows (header first) split in cells."""
+    import subprocess
+    import sys
+
+    script = f"""
+from lightning.pytorch import Trainer
+from datamodules import *
+from tests.support import RecordingModel
+Trainer(max_steps={max_steps}, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(
+    RecordingModel(), {datamodule})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = done.stdout + done.stderr
+    table = shown[shown.index("Source |") :].splitlines()
+    return shown, [[cell.strip() for cell in line.split("|")] for line in (table[0], *table[2:])]
+
+
 def make_mixture_shards(root: Path, sizes: dict[str, int], seq_len: int, value_stride: int) -> dict[str, Path]:
     """One shard directory per source; source ``i``'s token values start at ``i * value_stride``."""
     return {

@@ -20,7 +20,7 @@ from datamodules.text.prepare import DocumentTokenizer
 from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.text_stream import TextStream
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, fit_records, quiet_trainer
+from tests.support import RecordingModel, fit_in_a_plain_script, fit_records, quiet_trainer
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i in range(300)]
@@ -260,33 +260,14 @@ def test_a_dropped_loader_is_freed_at_once_and_its_workers_with_it(tmp_path: Pat
 
 
 def test_fit_on_a_stream_shows_its_data_summary_in_a_plain_script(tmp_path: Path, tokenizer: str) -> None:
-    import subprocess
-    import sys
-
     files = parquet(tmp_path, 3, row_group=50)
-    script = f"""
-from lightning.pytorch import Trainer
-from datamodules import HFTextDataModule
-from tests.support import RecordingModel
-dm = HFTextDataModule("parquet", {tokenizer!r}, data_files={files!r}, seq_len=8, batch_size=4, streaming=True,
-                      num_workers=2)
-Trainer(max_steps=5, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(RecordingModel(), dm)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    shown = done.stdout + done.stderr
+    options = "seq_len=8, batch_size=4, streaming=True, num_workers=2"
+    shown, table = fit_in_a_plain_script(
+        f"HFTextDataModule('parquet', {tokenizer!r}, data_files={files!r}, {options})", 5
+    )
     assert "HFTextDataModule: a stream, endless epochs of 4 samples (batch_size 4 x 1 data-parallel ranks" in shown
-    table = shown[shown.index("Source |") :].splitlines()
-    assert [cell.strip() for cell in table[0].split("|")] == [
-        "Source",
-        "Data",
-        "Readers",
-        "Idle readers",
-        "Samples in max_steps=5",
-        "Tokens in max_steps=5",
-    ]
-    row = [cell.strip() for cell in table[2].split("|")]
-    assert row == [
+    assert table[0] == ["Source", "Data", "Readers", "Idle readers", "Samples in max_steps=5", "Tokens in max_steps=5"]
+    assert table[1] == [
         "0",
         "train",
         "6 row groups of 3 parquet files, 300 rows",

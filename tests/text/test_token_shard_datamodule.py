@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 from datamodules import TokenShardDataModule
 from datamodules.storage.range_reader import ChangedDuringRun
 from datamodules.text.shard_metadata import ShardInfo, ShardMetadata
-from tests.support import RecordingModel, all_tokens, make_token_shards, quiet_trainer
+from tests.support import RecordingModel, all_tokens, fit_in_a_plain_script, make_token_shards, quiet_trainer
 
 
 def setup_dm(path: Path, **kwargs) -> TokenShardDataModule:
@@ -285,30 +285,13 @@ def test_pin_memory_is_off_without_a_gpu_and_prefetch_factor_reaches_the_loader(
 
 
 def test_fit_shows_a_data_summary_in_a_plain_script_with_no_logging_set_up(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     make_token_shards(tmp_path / "shards", 8 * 40 + 1)
-    script = f"""
-from lightning.pytorch import Trainer
-from datamodules import TokenShardDataModule
-from tests.support import RecordingModel
-dm = TokenShardDataModule({str(tmp_path / "shards")!r}, seq_len=8, batch_size=4)
-Trainer(max_steps=25, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(RecordingModel(), dm)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[2])
-    assert done.returncode == 0, done.stderr[-2000:]
-    shown = done.stdout + done.stderr
+    shown, table = fit_in_a_plain_script(
+        f"TokenShardDataModule({str(tmp_path / 'shards')!r}, seq_len=8, batch_size=4)", 25
+    )
     assert "TokenShardDataModule: 10 steps per epoch of 4 samples (batch_size 4 x 1 data-parallel ranks" in shown
-    table = shown[shown.index("Source |") :].splitlines()
-    assert [cell.strip() for cell in table[0].split("|")] == [
-        "Source",
-        "Samples",
-        "Tokens",
-        "Weight",
-        "Passes in max_steps=25",
-    ]
-    assert [cell.strip() for cell in table[2].split("|")] == ["0", "train", "40", "320", "1", "2.50"]
+    assert table[0] == ["Source", "Samples", "Tokens", "Weight", "Passes in max_steps=25"]
+    assert table[1] == ["0", "train", "40", "320", "1", "2.50"]
 
 
 def write_megatron_pair(prefix: Path, documents: list[list[list[int]]]) -> None:
