@@ -48,19 +48,27 @@ def _versions_differ(path: str, tag_name: str, was: tuple[int, str | None], now:
     return changed_message(path, detail)
 
 
+def local_version(stat: os.stat_result) -> tuple[int, str]:
+    """A local file's version, as a bucket's is ``(size, ETag)``: its size and modification time (ns)."""
+    return stat.st_size, str(stat.st_mtime_ns)
+
+
+def check_unchanged(path: str, recorded: tuple[int, str | None], stat: os.stat_result) -> None:
+    """Refuse (``ChangedDuringRun``) the local file ``path`` whose ``stat`` is no longer ``recorded``."""
+    found = local_version(stat)
+    if found != recorded:
+        raise ChangedDuringRun(_versions_differ(path, "mtime_ns", recorded, found))
+
+
 def read_unchanged(path: str, start: int, end: int, version: tuple[int, str | None]) -> bytes:
-    """Bytes ``[start, end)`` of the local file ``path``, refused (``ChangedDuringRun``) when its size
-    and modification time (``version``, as ``(size, str(st_mtime_ns))``) are no longer the recorded
-    ones: one ``fstat`` beside the read, taken after it, so a write before or during the read is seen."""
+    """Bytes ``[start, end)`` of the local file ``path``, refused when its ``local_version`` is no longer
+    ``version``: one ``fstat`` beside the read, taken after it, so a write before or during the read is seen."""
     fd = os.open(path, os.O_RDONLY)
     try:
         data = os.pread(fd, end - start, start)
-        stat = os.fstat(fd)
+        check_unchanged(path, version, os.fstat(fd))
     finally:
         os.close(fd)
-    found = (stat.st_size, str(stat.st_mtime_ns))
-    if found != version:
-        raise ChangedDuringRun(_versions_differ(path, "mtime_ns", version, found))
     return data
 
 

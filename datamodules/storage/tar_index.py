@@ -38,7 +38,7 @@ import fsspec
 import numpy as np
 
 from datamodules.storage.locations import is_url, process_filesystem
-from datamodules.storage.range_reader import RangeReader
+from datamodules.storage.range_reader import RangeReader, local_version
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +270,9 @@ def index_shards(
 
 def _local_version(location: str) -> tuple[int, str | None]:
     try:
-        stat = os.stat(location)
+        return local_version(os.stat(location))
     except OSError:
         raise ValueError(f"tar shard {location} does not exist") from None
-    return stat.st_size, str(stat.st_mtime_ns)
 
 
 def _index_name(location: str, version: tuple[int, str | None]) -> str:

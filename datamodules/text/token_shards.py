@@ -26,7 +26,7 @@ import numpy as np
 
 from datamodules.plan.loader import same_tokenizer
 from datamodules.storage.locations import describe_error, is_url, storage_path
-from datamodules.storage.range_reader import ChangedDuringRun, RangeReader, changed_message, read_ranges
+from datamodules.storage.range_reader import RangeReader, check_unchanged, local_version, read_ranges
 from datamodules.text.megatron import read_index
 from datamodules.text.shard_metadata import EDGE_BYTES, METADATA_FILE, ShardMetadata, edge_ranges, edges_digest
 
@@ -60,11 +60,6 @@ class _Layout:
     document_starts: np.ndarray | None
     fingerprint: str
     vocabulary: dict[str, Any] | None  # the tokenizer and EOS id that wrote the tokens, when recorded
-
-
-def _version(path: str) -> tuple[int, int]:
-    stat = os.stat(path)
-    return stat.st_size, stat.st_mtime_ns
 
 
 def _npy_shards(paths: list[Path]) -> list[_Shard]:
@@ -310,7 +305,7 @@ class TokenShards:
         self._set_layout(layout)
         self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
         # Local shards' (size, mtime) as opened; a remote one's ETag goes with each read instead.
-        self._versions = [None if reader else _version(str(s.path)) for s in self._shards]
+        self._versions = [None if reader else local_version(os.stat(s.path)) for s in self._shards]
 
     def _set_layout(self, layout: _Layout) -> None:
         self.dtype = layout.dtype
@@ -395,12 +390,9 @@ class TokenShards:
             return
         self._checked_at = now
         for i in list(self._maps):
-            path, recorded = str(self._shards[i].path), self._versions[i]
-            found = recorded and _version(path)
-            if found != recorded:
-                detail = f"{recorded[0]} bytes, mtime_ns {recorded[1]} when opened; now {found[0]} bytes, "
-                detail += f"mtime_ns {found[1]}"
-                raise ChangedDuringRun(changed_message(path, detail))
+            if self._versions[i] is not None:
+                path = str(self._shards[i].path)
+                check_unchanged(path, self._versions[i], os.stat(path))
 
     def _pieces(self, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
         """Tokens ``[start, start + count)`` of the stream shard by shard: ``(shard, first token in
