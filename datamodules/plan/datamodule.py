@@ -397,7 +397,7 @@ class PlanDataModule(LightningDataModule):
             epoch_batches,
             **self._loader_options(),
         )
-        self._log_stream_summary(steps)
+        self._log_summary(steps)
         return self._stopping_together(loader)
 
     def _loader_options(self) -> dict[str, Any]:
@@ -440,15 +440,27 @@ class PlanDataModule(LightningDataModule):
         """Each source's share of the samples at the current step (a mixture's); ``None``: one source."""
         return None
 
-    def _log_summary(self, steps_per_epoch: int) -> None:
+    def _log_summary(self, steps_per_epoch: int | None) -> None:
         """What the data is, once per fit on global rank 0, as a table in the style of Lightning's model
         summary and through its rank-zero logger (shown without any logging set up)."""
         if self._summarized or not getattr(self.trainer, "is_global_zero", True):
             return
         self._summarized = True
         max_steps = getattr(self.trainer, "max_steps", -1)
-        reads = max_steps is not None and max_steps > 0
-        drawn = self.plan.samples_drawn(max_steps * self.global_batch_size) if reads else None
+        max_steps = max_steps if max_steps is not None and max_steps > 0 else None
+        header, rows = self._stream_summary(max_steps) if self._stream is not None else self._plan_summary(max_steps)
+        epoch = f"{steps_per_epoch:,} steps per epoch" if steps_per_epoch else "a stream, endless epochs"
+        resumed = self._batches_trained() if self._stream is not None else 0
+        rank_zero_info(
+            f"{type(self).__name__}: {epoch} of {self.global_batch_size:,} samples (batch_size {self.batch_size} x "
+            f"{self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} accumulated)"
+            + (f", resuming at batch {resumed:,}" if resumed else "")
+            + f"\n{table(header, rows)}"
+        )
+
+    def _plan_summary(self, max_steps: int | None) -> tuple[list[str], list[list[str]]]:
+        """Per source: its samples, tokens, weight, and the passes over it that ``max_steps`` implies."""
+        drawn = self.plan.samples_drawn(max_steps * self.global_batch_size) if max_steps else None
         weights = self.source_weights() or [1.0] * len(self.sources)
         rows = []
         for i, source in enumerate(self.sources):
@@ -463,33 +475,15 @@ class PlanDataModule(LightningDataModule):
                     f"{drawn[i] / source.num_samples:.2f}" if drawn is not None else "-",
                 ]
             )
-        header = [
-            "",
-            "Source",
-            "Samples",
-            "Tokens",
-            "Weight",
-            f"Passes in max_steps={max_steps}" if reads else "Passes",
-        ]
-        rank_zero_info(f"{self._summary_title(f'{steps_per_epoch:,} steps per epoch')}\n{table(header, rows)}")
+        passes = f"Passes in max_steps={max_steps}" if max_steps else "Passes"
+        return ["", "Source", "Samples", "Tokens", "Weight", passes], rows
 
-    def _summary_title(self, epoch: str) -> str:
-        return (
-            f"{type(self).__name__}: {epoch} of {self.global_batch_size:,} samples (batch_size {self.batch_size} x "
-            f"{self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} accumulated)"
-        )
-
-    def _log_stream_summary(self, steps_per_epoch: int | None) -> None:
-        """The data summary of a stream: what it reads, by how many readers, and what ``max_steps`` reads."""
-        if self._summarized or not getattr(self.trainer, "is_global_zero", True):
-            return
-        self._summarized = True
+    def _stream_summary(self, max_steps: int | None) -> tuple[list[str], list[list[str]]]:
+        """What the stream reads, by how many readers, and the samples and tokens ``max_steps`` reads."""
         stream, workers = self._stream.stream, max(1, self.num_workers)
         readers = self.dp_size * workers
-        max_steps = getattr(self.trainer, "max_steps", -1)
-        reads = max_steps is not None and max_steps > 0
-        samples = max_steps * self.global_batch_size if reads else None
-        in_steps = f" in max_steps={max_steps}" if reads else ""
+        samples = max_steps * self.global_batch_size if max_steps else None
+        in_steps = f" in max_steps={max_steps}" if max_steps else ""
         header = ["", "Source", "Data", "Readers", "Idle readers", f"Samples{in_steps}", f"Tokens{in_steps}"]
         row = [
             "0",
@@ -500,10 +494,7 @@ class PlanDataModule(LightningDataModule):
             f"{samples:,}" if samples is not None else "-",
             f"{samples * stream.sample_tokens:,}" if samples is not None and stream.sample_tokens else "-",
         ]
-        epoch = f"{steps_per_epoch:,} steps per epoch" if steps_per_epoch else "a stream, endless epochs"
-        resumed = self._batches_trained()
-        at = f", resuming at batch {resumed:,}" if resumed else ""
-        rank_zero_info(f"{self._summary_title(epoch)}{at}\n{table(header, [row])}")
+        return header, [row]
 
     @property
     def _vals(self) -> list[tuple[str, Source]]:
