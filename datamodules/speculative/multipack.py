@@ -38,7 +38,7 @@ def order_by(small: np.ndarray, keys: np.ndarray) -> np.ndarray:
     holds it, which numpy radix-sorts up to 16 bits.
     """
     by_key = np.argsort(keys)
-    narrow = small[by_key].astype(np.min_scalar_type(small.max()))
+    narrow = small[by_key].astype(np.min_scalar_type(small.max(initial=0)))  # initial: no items, no rows
     return by_key[np.argsort(narrow, kind="stable")]
 
 

@@ -57,6 +57,13 @@ def test_order_by_orders_as_lexsort_does(largest: int) -> None:
     assert (order_by(small, keys) == np.lexsort((keys, small))).all()
 
 
+def test_no_items_order_and_pack_into_no_rows() -> None:
+    nothing = np.array([], dtype=np.int64)
+    assert order_by(nothing, nothing.astype(np.uint64)).size == 0
+    rows_of, num_rows = best_fit_decreasing(nothing, 10, nothing.astype(np.uint64))
+    assert rows_of.size == 0 and num_rows == 0
+
+
 def test_the_sampler_hands_out_its_planned_rows_in_order_past_one_block() -> None:
     lengths = lognormal_lengths(8000, mean=600)
     sampler = MultipackBatchSampler(lengths, 2048, num_replicas=2, rank=1, seed=4)
