@@ -90,6 +90,8 @@ CONFIGURABLE = sorted(
     ),
     key=lambda cls: cls.__name__,
 )
+
+
 # Arguments documented only inside another's entry, in files of datamodules/vision/.
 @pytest.mark.parametrize("cls", CONFIGURABLE, ids=[c.__name__ for c in CONFIGURABLE])
 def test_every_option_of_a_datamodule_or_source_has_its_help(cls: type) -> None:
