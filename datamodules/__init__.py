@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "ConversationDataModule": "datamodules.speculative.conversation_datamodule",
     "ConversationSource": "datamodules.speculative.conversation_source",
+    "EpochProgressBar": "datamodules.callbacks.epoch_progress_bar",
     "GenerationServer": "datamodules.speculative.generation_client",
     "HFTextDataModule": "datamodules.text.hf_text",
     "HFTextSource": "datamodules.text.hf_text",
@@ -26,6 +27,7 @@ _EXPORTS = {
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
     "PlanDataModule": "datamodules.plan.datamodule",
     "PlannedSource": "datamodules.plan.sample_plan",
+    "ProgressLines": "datamodules.callbacks.progress_lines",
     "SamplePlan": "datamodules.plan.sample_plan",
     "TokenShardDataModule": "datamodules.text.token_shard_datamodule",
     "TokenShardSource": "datamodules.text.token_shard_source",
@@ -38,6 +40,7 @@ _EXPORTS = {
 __all__ = [
     "ConversationDataModule",
     "ConversationSource",
+    "EpochProgressBar",
     "GenerationServer",
     "HFTextDataModule",
     "HFTextSource",
@@ -50,6 +53,7 @@ __all__ = [
     "PhaseScheduler",
     "PlanDataModule",
     "PlannedSource",
+    "ProgressLines",
     "SamplePlan",
     "TokenShardDataModule",
     "TokenShardSource",
@@ -60,7 +64,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from datamodules.callbacks.epoch_progress_bar import EpochProgressBar
     from datamodules.callbacks.phase_scheduler import PhaseScheduler
+    from datamodules.callbacks.progress_lines import ProgressLines
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
