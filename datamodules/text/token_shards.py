@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,6 +326,7 @@ class TokenShards:
         self._maps: dict[int, np.ndarray] = {}
         self._memory: np.ndarray | None = None
         self._checked_at = time.monotonic()
+        self._read_since_check: set[int] = set()  # local shards read since the last check
 
     @classmethod
     def from_tokens(
@@ -378,18 +379,22 @@ class TokenShards:
         if self.remote:
             out[:] = self.read_windows(np.array([start], dtype=np.int64), out.shape[0])[0]
             return
-        for i, local, column, take in self._pieces(start, out.shape[0]):
+        pieces = list(self._pieces(start, out.shape[0]))
+        for i, local, column, take in pieces:
             out[column : column + take] = self._map(i)[local : local + take]
-        self._check_unchanged()
+        self._check_unchanged(i for i, _, _, _ in pieces)
 
-    def _check_unchanged(self) -> None:
-        """Every ``CHECK_EVERY`` seconds, after a read: the local shards this process maps must still be
-        the files opened (size and mtime). One rewritten in place would mix two versions in the windows."""
+    def _check_unchanged(self, read: Iterable[int]) -> None:
+        """After a read of the shards ``read``: every ``CHECK_EVERY`` seconds, the local shards read since
+        the last check must still be the files opened (size and mtime), since one rewritten in place would
+        mix two versions in the windows. A stat per shard read in the interval: the cost follows the
+        reads, not the number of shards (a shared filesystem's metadata server serves every rank)."""
+        self._read_since_check.update(read)
         now = time.monotonic()
         if now - self._checked_at < CHECK_EVERY:
             return
-        self._checked_at = now
-        for i in list(self._maps):
+        self._checked_at, shards, self._read_since_check = now, self._read_since_check, set()
+        for i in shards:
             if self._versions[i] is not None:
                 path = str(self._shards[i].path)
                 check_unchanged(path, self._versions[i], os.stat(path))
@@ -415,12 +420,13 @@ class TokenShards:
         # copy; only a window that crosses into the next shard takes the general path.
         shard = np.searchsorted(self._starts, starts, side="right") - 1
         local = starts - self._starts[shard]
-        for row, (i, lo) in enumerate(zip(shard.tolist(), local.tolist(), strict=True)):
+        shards = shard.tolist()
+        for row, (i, lo) in enumerate(zip(shards, local.tolist(), strict=True)):
             if lo + width <= self._shards[i].num_tokens:
                 out[row] = self._map(i)[lo : lo + width]
             else:
                 self.read_into(int(starts[row]), out[row])
-        self._check_unchanged()
+        self._check_unchanged(shards)
         return out
 
     def _read_remote(self, starts: np.ndarray, width: int) -> np.ndarray:
