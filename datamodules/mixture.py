@@ -176,9 +176,7 @@ class MixtureDataModule(PlanDataModule):
     test_options = "give one of its sources a test split (test_fraction, test_split, test_dir or test_manifest)"
 
     def build_sources(self) -> list[tuple[str, Source, dict[str, Source]]]:
-        built = [
-            (c.name, *c.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero)) for c in self.components
-        ]
+        built = [(c.name, *c.source.build(self.seq_len, self.pack_sequences, self.job)) for c in self.components]
         known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]
         for name, vocabulary in known[1:]:
             first, first_vocabulary = known[0]

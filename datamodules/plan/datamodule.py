@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import weakref
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader
 from datamodules.plan.arguments import require_int
 from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
-from datamodules.plan.parallelism import computed_on_rank_zero, data_parallel_rank_and_size
+from datamodules.plan.parallelism import Job, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
 from datamodules.plan.stopping import STOP, RankVote
@@ -134,9 +133,11 @@ class PlanDataModule(LightningDataModule):
         (default) for plan-driven training. ``build_sources`` then gives validation only."""
         return None
 
-    def on_rank_zero(self, make: Callable[[], Any]) -> Any:
-        """``make()`` on global rank 0, its value broadcast to every rank (see ``computed_on_rank_zero``)."""
-        return computed_on_rank_zero(self.trainer, make)
+    @property
+    def job(self) -> Job:
+        """The job's processes and collectives, from the Trainer's strategy (``job(make)``: ``make()``
+        on global rank 0, its value broadcast to every rank)."""
+        return Job(self.trainer)
 
     def set_phases(self, phases: list[dict[str, Any]]) -> None:
         """The ``PhaseScheduler``'s phases (``{start_step, dataset_weights, lr_scale}``), installed at its

@@ -18,12 +18,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.plan.docstrings import expand_argument_docs
+from datamodules.plan.parallelism import Job
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.stopping import from_workers, stop_together
 from datamodules.plan.worker_start import keep_inherited_memory_shared
 
-RankZero = Callable[[Callable[[], Any]], Any]
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 MESSAGE_BATCHES = 16  # micro-batches per worker message, unless a source says otherwise
@@ -299,13 +299,11 @@ class SourceSpec(ABC):
         ``prepare_data``), such as tokenizing into a cache; nothing by default."""
 
     @abstractmethod
-    def build(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
-    ) -> tuple[Source, dict[str, Source]]:
+    def build(self, seq_len: int, pack_sequences: bool, job: Job | None = None) -> tuple[Source, dict[str, Source]]:
         """``(train, held)``: the training samples and the held-out splits by role
         (``{"validation": ..., "test": ...}``, each present only when configured).
 
-        ``on_rank_zero(make)`` runs ``make`` on global rank 0 and hands its value to every rank
-        (``computed_on_rank_zero``); a source that loads something only one process should touch
-        uses it. ``None``: this is the only process.
+        ``job``: the job's processes and collectives (``job(make)`` runs ``make`` on global rank 0
+        and hands its value to every rank); a source reads what describes its data once per job
+        through it. ``None``: this is the only process.
         """

@@ -1,9 +1,14 @@
-"""Where this process sits in the data-parallel group, read from the Trainer's strategy."""
+"""Where this process sits in the job, read from the Trainer's strategy: its data-parallel rank,
+and the collectives a source's setup uses to read what describes its data once per job."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -22,13 +27,67 @@ def data_parallel_rank_and_size(trainer: Any | None) -> tuple[int, int]:
     return rank, size
 
 
-def computed_on_rank_zero(trainer: Any | None, make: Callable[[], T]) -> T:
-    """``make()`` run on global rank 0 only, its value sent to every rank by the strategy's broadcast.
+def pack_arrays(arrays: dict[str, np.ndarray]) -> bytes:
+    """Named numpy arrays as one ``.npz`` blob: what a collective sends instead of Python objects per item."""
+    out = io.BytesIO()
+    np.savez(out, **arrays)
+    return out.getvalue()
 
-    Every rank must call it at the same point (it is a collective); without a Trainer or with one
-    process, ``make()`` simply runs here.
-    """
-    strategy = getattr(trainer, "strategy", None)
-    if strategy is None or getattr(trainer, "world_size", 1) == 1:
-        return make()
-    return strategy.broadcast(make() if trainer.global_rank == 0 else None, src=0)
+
+def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as saved:
+        return {name: saved[name] for name in saved.files}
+
+
+@dataclass(frozen=True)
+class Job:
+    """The processes of a job as a source's setup sees them, and its collectives (the strategy's
+    process group). Calling it, ``job(make)``, runs ``make`` on global rank 0 and hands its value to
+    every rank. Every collective must be called by every rank at the same point. Without a Trainer,
+    or with one process, this process is the whole job and the collectives cost nothing."""
+
+    trainer: Any | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return getattr(self.trainer, "strategy", None) is not None and getattr(self.trainer, "world_size", 1) > 1
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return int(getattr(self.trainer, "global_rank", 0)) if self.distributed else 0
+
+    @property
+    def size(self) -> int:
+        """Processes in the job (every rank, of every parallel dimension)."""
+        return int(getattr(self.trainer, "world_size", 1)) if self.distributed else 1
+
+    @property
+    def local_rank(self) -> int:
+        """Rank inside this node: rank 0 of a node writes its node-local files."""
+        return int(getattr(self.trainer, "local_rank", 0)) if self.distributed else 0
+
+    def __call__(self, make: Callable[[], T]) -> T:
+        if not self.distributed:
+            return make()
+        return self.trainer.strategy.broadcast(make() if self.rank == 0 else None, src=0)
+
+    def arrays_from_rank_zero(self, make: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """``make()``'s arrays, made on global rank 0 and broadcast as one compact blob."""
+        if not self.distributed:
+            return make()
+        return unpack_arrays(self(lambda: pack_arrays(make())))
+
+    def all_gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, in rank order (small values: a blob of arrays, a flag)."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self, name: str) -> None:
+        if self.distributed:
+            self.trainer.strategy.barrier(name)

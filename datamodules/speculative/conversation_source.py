@@ -16,7 +16,8 @@ from datamodules.plan.arguments import check_held_out, require_existing, require
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import held_out_rows
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
-from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.loader import SourceSpec
+from datamodules.plan.parallelism import Job
 from datamodules.speculative.conversation_rows import ATTENTION_MASKS, COLUMNS, ConversationRows, checked_rows
 from datamodules.speculative.prepare_conversations import MANIFEST, prepare_conversations, template_text
 
@@ -139,7 +140,7 @@ class ConversationSource(SourceSpec):
         return checked_rows(load_split(str(path), None), str(path))
 
     def build(
-        self, seq_len: int, pack_sequences: bool = True, on_rank_zero: RankZero | None = None
+        self, seq_len: int, pack_sequences: bool = True, job: Job | None = None
     ) -> tuple[ConversationRows, dict[str, ConversationRows]]:
         """``(train, held)`` packed rows of ``seq_len`` tokens (``pack_sequences`` is always on here)."""
         options = {

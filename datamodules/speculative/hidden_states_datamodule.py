@@ -200,7 +200,7 @@ class HiddenStatesDataModule(PlanDataModule):
             client.check_model()
         retries = self.server.validation_retries if self.server else 0
         fetcher = StateFetcher(store, None, None, client, self.on_generate, retries, self.fetch_threads)
-        fetcher.layers, fetcher.hidden_size = self.on_rank_zero(lambda: self._state_shape(fetcher, dataset))
+        fetcher.layers, fetcher.hidden_size = self.job(lambda: self._state_shape(fetcher, dataset))
         mean_length = float(np.mean(np.asarray(dataset.data.column("seq_len")))) if len(dataset) else 1.0
         common = {
             "total_seq_len": self.total_seq_len,

@@ -22,7 +22,8 @@ from datamodules.plan.arguments import check_split_options, require_existing, re
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset
-from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.loader import SourceSpec
+from datamodules.plan.parallelism import Job
 from datamodules.text.document_units import document_units
 from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
 from datamodules.text.prepare_inputs import BAD_ROW_POLICIES, DatasetCorpus
@@ -132,19 +133,19 @@ class HFTextSource(SourceSpec):
         corpus = self._corpus(split)
         return tokenize_to_memory(corpus, self.tokenizer, self.text_field, self.add_bos, self.on_bad_row)
 
-    def _evaluation_shards(self, split: str | None, on_rank_zero: RankZero | None) -> TokenShards | None:
+    def _evaluation_shards(self, split: str | None, job: Job | None) -> TokenShards | None:
         """A held-out split tokenized on global rank 0 and broadcast; ``None`` for no split."""
         if split is None:
             return None
         make = functools.partial(self._evaluation_set, split)
-        tokens, starts, vocabulary = (on_rank_zero or (lambda make: make()))(make)
+        tokens, starts, vocabulary = (job or Job())(make)
         return TokenShards.from_tokens(tokens, starts, f"{self.path}:{split}", vocabulary)
 
     def build(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+        self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
-        val = self._evaluation_shards(self.val_split, on_rank_zero)
-        test = self._evaluation_shards(self.test_split, on_rank_zero)
+        val = self._evaluation_shards(self.val_split, job)
+        test = self._evaluation_shards(self.test_split, job)
         shards = self._open(self.split)
         return split_windows(shards, seq_len, pack_sequences, val, self.val_fraction, test, self.test_fraction)
 
@@ -169,12 +170,10 @@ class HFTextSource(SourceSpec):
             self.on_bad_row,
         )
 
-    def evaluation_windows(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None
-    ) -> dict[str, TokenWindows]:
+    def evaluation_windows(self, seq_len: int, pack_sequences: bool, job: Job | None) -> dict[str, TokenWindows]:
         """Windows of ``val_split`` and ``test_split``, each tokenized on global rank 0 and broadcast."""
         held = {"validation": self.val_split, "test": self.test_split}
-        shards = {role: self._evaluation_shards(split, on_rank_zero) for role, split in held.items()}
+        shards = {role: self._evaluation_shards(split, job) for role, split in held.items()}
         return {role: TokenWindows(s, seq_len, pack_sequences=pack_sequences) for role, s in shards.items() if s}
 
 
@@ -286,7 +285,5 @@ class HFTextDataModule(PlanDataModule):
 
     def build_sources(self) -> list[tuple[str, TokenWindows | None, dict[str, TokenWindows]]]:
         if self.streaming:
-            return [
-                ("train", None, self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.on_rank_zero))
-            ]
-        return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.on_rank_zero))]
+            return [("train", None, self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.job))]
+        return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.job))]

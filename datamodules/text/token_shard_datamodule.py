@@ -85,4 +85,4 @@ class TokenShardDataModule(PlanDataModule):
     test_options = "give it test_dir or test_fraction"
 
     def build_sources(self) -> list[tuple[str, TokenWindows, dict[str, TokenWindows]]]:
-        return [("train", *self.source.build(self.seq_len, self.pack_sequences))]
+        return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.job))]

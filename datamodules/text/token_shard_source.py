@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from datamodules.plan.arguments import check_held_out, require_existing, require_int
-from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.loader import SourceSpec
+from datamodules.plan.parallelism import Job
 from datamodules.text.token_shards import IO_THREADS, PREFETCH_STEPS, TokenShards
 from datamodules.text.token_windows import TokenWindows
 
@@ -55,7 +56,7 @@ class TokenShardSource(SourceSpec):
             require_existing(option, getattr(self, option))
 
     def build(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+        self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
         reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads)
         shards = TokenShards(self.data_dir, *reading)

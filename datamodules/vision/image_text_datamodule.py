@@ -123,7 +123,7 @@ class ImageTextDataModule(PlanDataModule):
     test_options = "give it test_split or test_fraction"
 
     def build_sources(self) -> list[tuple[str, ImageTextSamples, dict[str, ImageTextSamples]]]:
-        return [("train", *self.source.build(self.max_text_len, False, self.on_rank_zero))]
+        return [("train", *self.source.build(self.max_text_len, False, self.job))]
 
     @property
     def bad_samples(self) -> BadSampleLog:

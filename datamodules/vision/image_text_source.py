@@ -13,7 +13,8 @@ from datamodules.plan.arguments import check_split_options, require_existing, re
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load_pretrained, load_split
-from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.loader import SourceSpec
+from datamodules.plan.parallelism import Job
 from datamodules.storage.remote_files import RemoteFiles
 from datamodules.storage.tar_index import Shards
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
@@ -224,7 +225,7 @@ class ImageTextSource(SourceSpec):
         return pixels, labels, f"{name}:{len(tokenizer)}"
 
     def build(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+        self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[ImageTextSamples, dict[str, ImageTextSamples]]:
         """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
         if pack_sequences:

@@ -121,7 +121,7 @@ class VideoDataModule(PlanDataModule):
     test_options = "give it test_manifest or test_fraction"
 
     def build_sources(self) -> list[tuple[str, VideoSamples, dict[str, VideoSamples]]]:
-        return [("train", *self.source.build(self.max_text_len, False, self.on_rank_zero))]
+        return [("train", *self.source.build(self.max_text_len, False, self.job))]
 
     @property
     def bad_samples(self) -> BadSampleLog:

@@ -10,7 +10,8 @@ from datamodules.plan.arguments import check_held_out, require_existing, require
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import HELD_OUT_NAMES, RowSplit, held_out_rows
 from datamodules.plan.hf_loading import load_pretrained
-from datamodules.plan.loader import RankZero, SourceSpec
+from datamodules.plan.loader import SourceSpec
+from datamodules.plan.parallelism import Job
 from datamodules.storage.remote_files import RemoteFiles
 from datamodules.vision.frame_sampling import frame_sampler
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
@@ -114,7 +115,7 @@ class VideoSource(SourceSpec):
                 self.layout.prepare(manifest, self.manifest)
 
     def build(
-        self, seq_len: int, pack_sequences: bool, on_rank_zero: RankZero | None = None
+        self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[VideoSamples, dict[str, VideoSamples]]:
         """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
         if pack_sequences:
