@@ -4,6 +4,7 @@ and the collectives a source's setup uses to read what describes its data once p
 from __future__ import annotations
 
 import io
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,11 +41,28 @@ def unpack_arrays(blob: bytes) -> dict[str, np.ndarray]:
 
 
 @dataclass(frozen=True)
+class RankZeroFailed:
+    """What ``Job(make)`` broadcasts when ``make`` raised on rank 0: the error, raised on every rank."""
+
+    error: Exception
+
+
+def _sendable(err: Exception) -> Exception:
+    """``err``, or where it does not survive pickling, a ``RuntimeError`` with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 (any failure to pickle: sent as text)
+        return RuntimeError(f"on rank 0: {type(err).__name__}: {err}")
+    return err
+
+
+@dataclass(frozen=True)
 class Job:
     """The processes of a job as a source's setup sees them, and its collectives (the strategy's
     process group). Calling it, ``job(make)``, runs ``make`` on global rank 0 and hands its value to
-    every rank. Every collective must be called by every rank at the same point. Without a Trainer,
-    or with one process, this process is the whole job and the collectives cost nothing."""
+    every rank (or the error it raised, raised on every rank). Every collective must be called by every
+    rank at the same point. Without a Trainer, or with one process, this process is the whole job and
+    the collectives cost nothing."""
 
     trainer: Any | None = None
 
@@ -70,7 +88,18 @@ class Job:
     def __call__(self, make: Callable[[], T]) -> T:
         if not self.distributed:
             return make()
-        return self.trainer.strategy.broadcast(make() if self.rank == 0 else None, src=0)
+        if self.rank != 0:
+            value = self.trainer.strategy.broadcast(None, src=0)
+            if isinstance(value, RankZeroFailed):
+                raise value.error
+            return value
+        try:
+            value = make()
+        except Exception as err:
+            # The other ranks wait for the value: they are sent the error, and every rank stops with it.
+            self.trainer.strategy.broadcast(RankZeroFailed(_sendable(err)), src=0)
+            raise
+        return self.trainer.strategy.broadcast(value, src=0)
 
     def arrays_from_rank_zero(self, make: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """``make()``'s arrays, made on global rank 0 and broadcast as one compact blob."""

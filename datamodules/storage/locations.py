@@ -60,6 +60,12 @@ def object_version(info: dict[str, Any]) -> tuple[int, str | None]:
     return int(info["size"]), tag
 
 
+def default_cache_dir(kind: str) -> str:
+    """This node's cache folder for ``kind`` (what a source derives once and keeps, such as
+    ``"token_shards"``): ``$XDG_CACHE_HOME/datamodules/<kind>`` (``~/.cache`` when unset)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "datamodules", kind)
+
+
 def join_location(root: str, name: str) -> str:
     """``name`` under ``root`` (a folder path or URL); a ``name`` that is absolute or a URL stands alone."""
     if is_url(name) or os.path.isabs(name):

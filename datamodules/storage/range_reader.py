@@ -72,6 +72,30 @@ def read_unchanged(path: str, start: int, end: int, version: tuple[int, str | No
     return data
 
 
+def folder_versions(directory: Path, reader: RangeReader | None = None) -> dict[str, tuple[int, str | None]]:
+    """The version of every file under ``directory``, at any depth, by its ``/``-separated path relative
+    to it. A bucket's folder (``reader``: its root's reader) is one listing, a request per 1,000 objects on
+    S3, their sizes and ETags with it; a local folder is walked, a ``stat`` per file (``local_version``)."""
+    if reader is None:
+        found = {}
+        for folder, _, names in os.walk(directory, followlinks=True):
+            for name in names:
+                path = os.path.join(folder, name)
+                found[os.path.relpath(path, directory).replace(os.sep, "/")] = local_version(os.stat(path))
+        return found
+
+    def listing(fs: Any) -> dict[str, tuple[int, str | None]]:
+        root = fs._strip_protocol(str(directory)).rstrip("/") + "/"
+        found = {}
+        for name, info in fs.find(root, detail=True).items():
+            relative = name.removeprefix(root)
+            if name.startswith(root) and relative and not relative.endswith("/"):  # not a folder marker
+                found[relative] = object_version(info)
+        return found
+
+    return reader.request(f"listing {directory}", listing)
+
+
 def read_ranges(paths: list[Path], starts: list[int], ends: list[int]) -> list[bytes]:
     """``read_range`` of many files at once: for URLs, one round of concurrent requests per filesystem
     (setup reads a header or two per shard: thousands of them must not wait one round trip each),
@@ -151,9 +175,11 @@ class RangeReader:
             fs.retries = 1
         return fs
 
-    def expect(self, paths: list[str]) -> None:
-        """Record the size and ETag of ``paths`` now; reads refuse them if either changes."""
-        self.expected.update(zip(paths, self._versions(paths), strict=True))
+    def expect(self, paths: list[str], versions: list[tuple[int, str | None]] | None = None) -> None:
+        """Record the size and ETag of ``paths``: ``versions`` where given (from a listing, or sent by the
+        rank that listed them: no request), else asked for now. Reads refuse them if either changes."""
+        found = self._versions(paths) if versions is None else versions
+        self.expected.update(zip(paths, found, strict=True))
         self._checked.update(dict.fromkeys(paths, time.monotonic()))
 
     def _versions(self, paths: list[str]) -> list[tuple[int, str | None]]:
@@ -185,14 +211,14 @@ class RangeReader:
 
     def request(self, what: str, call: Callable[[Any], T]) -> T:
         """``call(fs)`` (a request other than a ranged read: a HEAD, a listing, a PUT, a DELETE), made
-        again on failure with the ranges' budget: ``attempts`` in all, the same backoff. A missing
-        object or a refused permission is raised at once."""
+        again on failure with the ranges' budget: ``attempts`` in all, the same backoff. An error no
+        retry can mend (``_permanent``) is raised at once."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return call(self.fs)
-            except (FileNotFoundError, PermissionError):
-                raise
             except Exception as err:  # noqa: BLE001 (the store's errors have no common base: retried, then named)
+                if _permanent(err):
+                    raise
                 if attempt == self.attempts:
                     raise OSError(f"{what} failed {self.attempts} times; last: {describe_error(err)}") from None
                 self.retries += 1
@@ -300,6 +326,14 @@ class RangeReader:
 
         with ThreadPoolExecutor(self.io_threads) as pool:
             return list(pool.map(cat, paths, starts, ends))
+
+
+def _permanent(err: BaseException) -> bool:
+    """Whether a request's error is one no retry can mend: a missing object, a refused permission,
+    missing credentials (botocore's ``NoCredentialsError``, ...), a filesystem not installed."""
+    return (
+        isinstance(err, FileNotFoundError | PermissionError | ImportError) or "credential" in type(err).__name__.lower()
+    )
 
 
 def _pool_for(root: str, options: dict[str, Any], io_threads: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
+_HEAD_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # the header, version, dtype code and the two counts
 DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}
 
 
@@ -30,20 +31,24 @@ class MegatronIndex:
 def read_index(path: str | Path) -> MegatronIndex:
     """Parse ``path``; a file that is not a version-1 ``MMIDIDX`` index is refused, naming it."""
     path = Path(path) if isinstance(path, str) else path  # a Path, or a UPath for a URL
-    with path.open("rb") as f:
-        head = f.read(len(INDEX_HEADER) + 8 + 1 + 8 + 8)
-        if len(head) < 34 or head[: len(INDEX_HEADER)] != INDEX_HEADER:
-            raise ValueError(f"{path} is not a Megatron MMIDIDX index (header {head[:9]!r})")
-        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
-        if version != 1:
-            raise ValueError(f"{path}: Megatron index version {version} is not supported (only 1)")
-        if code not in DTYPE_CODES:
-            raise ValueError(f"{path}: unknown Megatron dtype code {code}; known: {DTYPE_CODES}")
-        lengths = np.frombuffer(f.read(4 * sequences), dtype="<i4")
-        pointers = np.frombuffer(f.read(8 * sequences), dtype="<i8")
-        document_indices = np.frombuffer(f.read(8 * documents), dtype="<i8")
-    if len(lengths) != sequences or len(pointers) != sequences or len(document_indices) != documents:
+    return parse_index(path.read_bytes(), path)
+
+
+def parse_index(data: bytes, path: Path) -> MegatronIndex:
+    """The index in ``data``, the bytes of ``path`` (named by the errors)."""
+    head = data[:_HEAD_BYTES]
+    if len(head) < _HEAD_BYTES or head[: len(INDEX_HEADER)] != INDEX_HEADER:
+        raise ValueError(f"{path} is not a Megatron MMIDIDX index (header {head[:9]!r})")
+    version, code, sequences, documents = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
+    if version != 1:
+        raise ValueError(f"{path}: Megatron index version {version} is not supported (only 1)")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{path}: unknown Megatron dtype code {code}; known: {DTYPE_CODES}")
+    if len(data) < _HEAD_BYTES + 12 * sequences + 8 * documents:
         raise ValueError(f"{path} is truncated: it names {sequences} sequences and {documents} document indices")
+    lengths = np.frombuffer(data, dtype="<i4", count=sequences, offset=_HEAD_BYTES)
+    pointers = np.frombuffer(data, dtype="<i8", count=sequences, offset=_HEAD_BYTES + 4 * sequences)
+    document_indices = np.frombuffer(data, dtype="<i8", count=documents, offset=_HEAD_BYTES + 12 * sequences)
     dtype = np.dtype(DTYPE_CODES[code])
     expected = np.concatenate([[0], np.cumsum(lengths.astype(np.int64))[:-1]]) * dtype.itemsize
     if not np.array_equal(pointers, expected[: len(pointers)]):

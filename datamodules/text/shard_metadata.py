@@ -69,8 +69,13 @@ class ShardMetadata:
     @classmethod
     def read(cls, directory: Path) -> ShardMetadata:
         path = (Path(directory) if isinstance(directory, str) else directory) / METADATA_FILE
+        return cls.parse(path.read_text(), path)
+
+    @classmethod
+    def parse(cls, text: str | bytes, path: Path) -> ShardMetadata:
+        """The metadata in ``text``, read from ``path`` (named by the error when it does not parse)."""
         try:
-            return cls(**json.loads(path.read_text()))
+            return cls(**json.loads(text))
         except (TypeError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot parse shard metadata {path}: {err}") from err
 

@@ -58,7 +58,7 @@ class TokenShardSource(SourceSpec):
     def build(
         self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
-        reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads)
+        reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads, job)
         shards = TokenShards(self.data_dir, *reading)
         val = None if self.val_dir is None else TokenShards(self.val_dir, *reading)
         test = None if self.test_dir is None else TokenShards(self.test_dir, *reading)

@@ -8,26 +8,45 @@ guessed, and so are signed ids without metadata.
 The directory may be a URL (``s3://bucket/corpus``, see ``datamodules.storage``): its layout is
 read the same way, and windows are read as byte ranges, the windows of one batch in one round of
 concurrent requests, adjacent ranges of a file merged.
+
+In a job, the layout is read on global rank 0 from one listing of the directory and sent to every
+rank (``shard_description``); a node cache keyed by that listing spares a restart the reading.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from datamodules.plan.loader import same_tokenizer
+from datamodules.plan.parallelism import Job
 from datamodules.storage.locations import describe_error, is_url, storage_path
-from datamodules.storage.range_reader import RangeReader, check_unchanged, local_version, read_ranges
-from datamodules.text.megatron import read_index
+from datamodules.storage.range_reader import (
+    RangeReader,
+    check_unchanged,
+    folder_versions,
+    local_version,
+    read_ranges,
+)
+from datamodules.text.megatron import parse_index
+from datamodules.text.shard_description import (
+    DescriptionCache,
+    ShardFile,
+    ShardLayout,
+    Version,
+    layout_arrays,
+    layout_from_arrays,
+)
 from datamodules.text.shard_metadata import EDGE_BYTES, METADATA_FILE, ShardMetadata, edge_ranges, edges_digest
 
 log = logging.getLogger(__name__)
@@ -42,34 +61,28 @@ IO_THREADS = 16
 # check per batch would cost a few microseconds a shard, a tenth of the memory-mapped read itself.
 CHECK_EVERY = 1.0
 
-
-@dataclass(frozen=True)
-class _Shard:
-    path: Path  # a pathlib.Path, or a UPath for a URL
-    num_tokens: int
-    offset: int  # byte offset of the first token inside the file (the .npy header)
-    dtype: str
+Files = dict[str, Version]  # a folder's listing: every file's path under it -> its version
 
 
-@dataclass
-class _Layout:
-    """What a layout reader finds: the shards in order, document starts, and the data's identity."""
-
-    dtype: np.dtype
-    shards: list[_Shard]
-    document_starts: np.ndarray | None
-    fingerprint: str
-    vocabulary: dict[str, Any] | None  # the tokenizer and EOS id that wrote the tokens, when recorded
+def _read_files(directory: Path, names: list[str], files: Files) -> list[bytes]:
+    """Whole listed files of ``directory``, in one round of requests: their sizes are listed, so a
+    ranged GET each (no HEAD first, as opening a remote file would send)."""
+    return read_ranges([directory / name for name in names], [0] * len(names), [files[name][0] for name in names])
 
 
-def _npy_shards(paths: list[Path]) -> list[_Shard]:
-    """1-D ``.npy`` files as shards, reading only their headers (for URLs, all in one round of requests)."""
-    sizes = [path.stat().st_size for path in paths]
+def _metadata(directory: Path, files: Files) -> ShardMetadata:
+    return ShardMetadata.parse(_read_files(directory, [METADATA_FILE], files)[0], directory / METADATA_FILE)
+
+
+def _npy_shards(directory: Path, names: list[str], files: Files) -> tuple[list[ShardFile], list[bytes]]:
+    """1-D ``.npy`` files as shards, reading only their first bytes (for URLs, all in one round of
+    requests), and those bytes: the header, and the first edge of the fingerprint."""
+    paths, sizes = [directory / name for name in names], [files[name][0] for name in names]
     heads = read_ranges(paths, [0] * len(paths), [min(size, _NPY_HEAD) for size in sizes])  # errors name the file
-    return [_npy_shard(path, size, head) for path, size, head in zip(paths, sizes, heads, strict=True)]
+    return [_npy_shard(path, size, head) for path, size, head in zip(paths, sizes, heads, strict=True)], heads
 
 
-def _npy_shard(path: Path, size: int, head: bytes) -> _Shard:
+def _npy_shard(path: Path, size: int, head: bytes) -> ShardFile:
     """A 1-D ``.npy`` file of ``size`` bytes as a shard, from its first bytes ``head``."""
     try:
         f = io.BytesIO(head)
@@ -86,41 +99,53 @@ def _npy_shard(path: Path, size: int, head: bytes) -> _Shard:
             f"token shard {path} is truncated or not a .npy file (its header names {shape[0]} tokens, "
             f"its file has {size} bytes)"
         )
-    return _Shard(path, int(shape[0]), offset, dtype.name)
+    return ShardFile(path, int(shape[0]), offset, dtype.name)
 
 
-def _bin_shard(path: Path, dtype: np.dtype) -> _Shard:
-    size = path.stat().st_size
+def _bin_shard(path: Path, size: int, dtype: np.dtype) -> ShardFile:
     if size % dtype.itemsize:
         raise ValueError(f"shard {path} is {size} bytes, not a multiple of the {dtype} item size {dtype.itemsize}")
-    return _Shard(path, size // dtype.itemsize, 0, dtype.name)
+    return ShardFile(path, size // dtype.itemsize, 0, dtype.name)
 
 
-def _edges(shards: list[_Shard], itemsize: int) -> list[tuple[bytes, bytes]]:
-    """Every shard's first and last ``EDGE_BYTES`` bytes, read in one round (cheap for thousands of files)."""
+def _edges(shards: list[ShardFile], itemsize: int, heads: list[bytes] | None = None) -> list[tuple[bytes, bytes]]:
+    """Every shard's first and last ``EDGE_BYTES`` bytes, read in one round (cheap for thousands of
+    files); a range inside the shard's first bytes already read (``heads``) is taken from them."""
+    heads = heads or [b""] * len(shards)
     ranges = [edge_ranges(shard.offset, shard.num_tokens, itemsize) for shard in shards]
-    paths = [shard.path for shard in shards for _ in range(2)]
-    read = iter(read_ranges(paths, [a for r in ranges for a, _ in r], [b for r in ranges for _, b in r]))
-    return [(next(read), next(read)) for _ in shards]
+    wanted = [(i, start, end) for i, pair in enumerate(ranges) for start, end in pair if end > len(heads[i])]
+    blobs = read_ranges([shards[i].path for i, _, _ in wanted], [s for _, s, _ in wanted], [e for _, _, e in wanted])
+    read = dict(zip(wanted, blobs, strict=True))
+
+    def edge(i: int, start: int, end: int) -> bytes:
+        return read[i, start, end] if (i, start, end) in read else heads[i][start:end]
+
+    return [(edge(i, *first), edge(i, *last)) for i, (first, last) in enumerate(ranges)]
 
 
-def _content_fingerprint(shards: list[_Shard], itemsize: int) -> str:
+def _content_fingerprint(shards: list[ShardFile], itemsize: int, heads: list[bytes] | None = None) -> str:
     # Names, sizes and both ends of every shard.
     h = hashlib.blake2b(digest_size=16)
-    for shard, (first, last) in zip(shards, _edges(shards, itemsize), strict=True):
+    for shard, (first, last) in zip(shards, _edges(shards, itemsize, heads), strict=True):
         h.update(f"{shard.path.name}:{shard.num_tokens}".encode())
         h.update(first)
         h.update(last)
     return h.hexdigest()
 
 
-def _check_edges(directory: Path, metadata: ShardMetadata, shards: list[_Shard], itemsize: int) -> None:
+def _check_edges(
+    directory: Path, metadata: ShardMetadata, shards: list[ShardFile], itemsize: int, heads: list[bytes]
+) -> None:
     """Shards whose ends differ from what ``metadata.json`` recorded when they were written: refused, by name."""
-    recorded = [(info, shard) for info, shard in zip(metadata.shards, shards, strict=True) if info.edges]
+    recorded = [i for i, info in enumerate(metadata.shards) if info.edges]
     if not recorded:
         return  # prepared by an earlier version: the content hash alone fingerprints the folder
-    found = _edges([shard for _, shard in recorded], itemsize)
-    changed = [info.file for (info, _), ends in zip(recorded, found, strict=True) if edges_digest(*ends) != info.edges]
+    found = _edges([shards[i] for i in recorded], itemsize, [heads[i] for i in recorded])
+    changed = [
+        metadata.shards[i].file
+        for i, ends in zip(recorded, found, strict=True)
+        if edges_digest(*ends) != metadata.shards[i].edges
+    ]
     if changed:
         more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         raise ValueError(
@@ -129,53 +154,70 @@ def _check_edges(directory: Path, metadata: ShardMetadata, shards: list[_Shard],
         )
 
 
-def _matching(directory: Path, suffixes: tuple[str, ...], file_pattern: str | None) -> list[Path]:
-    paths = directory.glob(file_pattern) if file_pattern else directory.iterdir()
-    return sorted(p for p in paths if p.is_file() and p.suffix in suffixes)
+def _glob_match(name: str, pattern: str) -> bool:
+    """Whether the path ``name`` matches the glob ``pattern`` as ``Path.glob`` would (``*`` stays in a folder)."""
+    parts, wanted = name.split("/"), pattern.split("/")
+    return len(parts) == len(wanted) and all(fnmatchcase(p, w) for p, w in zip(parts, wanted, strict=True))
 
 
-def _prepared_layout(directory: Path, metadata: ShardMetadata | None = None) -> _Layout:
-    metadata = metadata or ShardMetadata.read(directory)
+def _matching(files: Files, suffixes: tuple[str, ...], file_pattern: str | None) -> list[str]:
+    """The listed files with one of ``suffixes`` selected by ``file_pattern`` (default: the folder's own)."""
+    names = [name for name in files if name.endswith(suffixes) and _glob_match(name, file_pattern or "*")]
+    return sorted(names, key=lambda name: name.split("/"))
+
+
+def _under(files: Files, folder: str) -> Files:
+    """The listing of the sub-folder ``folder``, paths relative to it."""
+    prefix = folder + "/"
+    return {name.removeprefix(prefix): version for name, version in files.items() if name.startswith(prefix)}
+
+
+def _prepared_layout(directory: Path, files: Files, metadata: ShardMetadata | None = None) -> ShardLayout:
+    metadata = metadata or _metadata(directory, files)
     dtype = np.dtype(metadata.dtype)
-    shards = []
-    # One listing names the files (and, for a URL, caches their sizes): no request per shard.
-    listed = {path.name for path in directory.iterdir()}
-    paths = [directory / info.file for info in metadata.shards]
-    for info, path in zip(metadata.shards, paths, strict=True):
-        if info.file not in listed or not path.is_file():
+    for info in metadata.shards:
+        if info.file not in files:
             raise FileNotFoundError(f"shard {info.file!r} listed in {directory / METADATA_FILE} is missing")
-    npy = iter(_npy_shards([path for path in paths if path.suffix == ".npy"]))
-    for info, path in zip(metadata.shards, paths, strict=True):
-        shard = next(npy) if path.suffix == ".npy" else _bin_shard(path, dtype)
+    npy = [info.file for info in metadata.shards if info.file.endswith(".npy")]
+    npy_shards, npy_heads = _npy_shards(directory, npy, files)
+    found = dict(zip(npy, zip(npy_shards, npy_heads, strict=True), strict=True))
+    shards, heads = [], []
+    for info in metadata.shards:
+        path = directory / info.file
+        shard, head = found.get(info.file) or (_bin_shard(path, files[info.file][0], dtype), b"")
         if shard.dtype != dtype.name:
             raise ValueError(f"shard {path} has dtype {shard.dtype}, expected {dtype}")
         if shard.num_tokens != info.num_tokens:
             raise ValueError(f"shard {path} holds {shard.num_tokens} tokens but {METADATA_FILE} says {info.num_tokens}")
         shards.append(shard)
+        heads.append(head)
     starts = None
     if metadata.document_starts:
         path = directory / metadata.document_starts
-        if not path.is_file():
+        if metadata.document_starts not in files:
             raise FileNotFoundError(f"{path}, named in {directory / METADATA_FILE}, is missing")
-        starts = np.load(io.BytesIO(path.read_bytes())).astype(np.int64)
+        starts = np.load(io.BytesIO(_read_files(directory, [metadata.document_starts], files)[0])).astype(np.int64)
     vocabulary = metadata.vocabulary()
-    _check_edges(directory, metadata, shards, dtype.itemsize)
-    fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize)
-    return _Layout(dtype, shards, starts, fingerprint, vocabulary)
+    _check_edges(directory, metadata, shards, dtype.itemsize, heads)
+    fingerprint = metadata.content_hash or _content_fingerprint(shards, dtype.itemsize, heads)
+    return ShardLayout(dtype, shards, starts, fingerprint, vocabulary)
 
 
-def _megatron_layout(directory: Path, file_pattern: str | None) -> _Layout:
-    indexes = _matching(directory, (".idx",), file_pattern)
+def _megatron_layout(directory: Path, files: Files, file_pattern: str | None) -> ShardLayout:
     shards, starts, dtypes = [], [], set()
     offset = 0
-    for idx in indexes:
-        index = read_index(idx)
-        data = idx.with_suffix(".bin")
-        if not data.is_file():
-            raise FileNotFoundError(f"Megatron index {idx} has no data file {data.name}")
-        shard = _bin_shard(data, index.dtype)
+    names = _matching(files, (".idx",), file_pattern)
+    for name, data in zip(names, _read_files(directory, names, files), strict=True):
+        idx = directory / name
+        index = parse_index(data, idx)
+        tokens = name.removesuffix(".idx") + ".bin"
+        if tokens not in files:
+            raise FileNotFoundError(f"Megatron index {idx} has no data file {Path(tokens).name}")
+        shard = _bin_shard(directory / tokens, files[tokens][0], index.dtype)
         if shard.num_tokens != index.num_tokens:
-            raise ValueError(f"{data} holds {shard.num_tokens} tokens but its index {idx.name} says {index.num_tokens}")
+            raise ValueError(
+                f"{shard.path} holds {shard.num_tokens} tokens but its index {idx.name} says {index.num_tokens}"
+            )
         shards.append(shard)
         starts.append(index.document_starts + offset)
         dtypes.add(index.dtype)
@@ -183,21 +225,21 @@ def _megatron_layout(directory: Path, file_pattern: str | None) -> _Layout:
     if len(dtypes) != 1:
         raise ValueError(f"Megatron shards in {directory} have several dtypes {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
-    return _Layout(dtype, shards, np.concatenate(starts), _content_fingerprint(shards, dtype.itemsize), None)
+    return ShardLayout(dtype, shards, np.concatenate(starts), _content_fingerprint(shards, dtype.itemsize), None)
 
 
-def _npy_layout(directory: Path, file_pattern: str | None) -> _Layout:
-    paths = _matching(directory, SHARD_SUFFIXES, file_pattern)
-    bins = [p.name for p in paths if p.suffix == ".bin"]
+def _npy_layout(directory: Path, files: Files, file_pattern: str | None) -> ShardLayout:
+    names = _matching(files, SHARD_SUFFIXES, file_pattern)
+    bins = [Path(name).name for name in names if name.endswith(".bin")]
     if bins:
         raise ValueError(
             f"{directory} holds raw .bin shards ({bins[0]}, ...) but no {METADATA_FILE} or Megatron .idx; a .bin "
             "file does not record its dtype, so write metadata (python -m datamodules.text.prepare) or use .npy"
         )
-    if not paths:
+    if not names:
         where = f" matching {file_pattern!r}" if file_pattern else ""
         raise ValueError(f"no token shards (*.npy or *.bin){where} in {directory}")
-    shards = _npy_shards(paths)
+    shards, heads = _npy_shards(directory, names, files)
     dtypes = {s.dtype for s in shards}
     if len(dtypes) != 1:
         raise ValueError(f"token shards in {directory} have several dtypes {sorted(dtypes)}")
@@ -207,14 +249,15 @@ def _npy_layout(directory: Path, file_pattern: str | None) -> _Layout:
             f"token shards in {directory} hold signed integers ({dtype}) and no {METADATA_FILE}: negative ids "
             "cannot be token ids; store unsigned ids, or write metadata.json stating the dtype"
         )
-    return _Layout(dtype, shards, None, _content_fingerprint(shards, dtype.itemsize), None)
+    return ShardLayout(dtype, shards, None, _content_fingerprint(shards, dtype.itemsize, heads), None)
 
 
-def _parts_layout(directory: Path, parts: list[Path]) -> _Layout:
+def _parts_layout(directory: Path, files: Files, parts: list[str]) -> ShardLayout:
     layouts, indices = [], []
-    for part in parts:
-        metadata = ShardMetadata.read(part)
-        layouts.append(_prepared_layout(part, metadata))
+    names = [f"{part}/{METADATA_FILE}" for part in parts]
+    for part, name, text in zip(parts, names, _read_files(directory, names, files), strict=True):
+        metadata = ShardMetadata.parse(text, directory / name)
+        layouts.append(_prepared_layout(directory / part, _under(files, part), metadata))
         indices.append((metadata.extra.get("part_index"), metadata.extra.get("num_parts")))
     totals = {n for _, n in indices}
     if len(totals) != 1 or None in totals:
@@ -233,12 +276,12 @@ def _parts_layout(directory: Path, parts: list[Path]) -> _Layout:
     return _concat(ordered)
 
 
-def _concat(layouts: list[_Layout]) -> _Layout:
+def _concat(layouts: list[ShardLayout]) -> ShardLayout:
     offsets = np.cumsum([0] + [sum(s.num_tokens for s in layout.shards) for layout in layouts])
     starts = [layout.document_starts for layout in layouts]
     vocabulary = layouts[0].vocabulary
     fingerprint = hashlib.blake2b("+".join(layout.fingerprint for layout in layouts).encode(), digest_size=16)
-    return _Layout(
+    return ShardLayout(
         np.result_type(*(layout.dtype for layout in layouts)),
         [shard for layout in layouts for shard in layout.shards],
         None
@@ -249,17 +292,44 @@ def _concat(layouts: list[_Layout]) -> _Layout:
     )
 
 
-def _read_layout(directory: Path, file_pattern: str | None) -> _Layout:
-    if (directory / METADATA_FILE).exists():
+def _read_layout(directory: Path, files: Files, file_pattern: str | None) -> ShardLayout:
+    """The layout of ``directory``, whose listing is ``files``."""
+    if METADATA_FILE in files:
         if file_pattern:
             raise ValueError(f"file_pattern selects shards of directories without {METADATA_FILE}; {directory} has one")
-        return _prepared_layout(directory)
-    if _matching(directory, (".idx",), file_pattern):
-        return _megatron_layout(directory, file_pattern)
-    parts = sorted(p for p in directory.glob(PART_GLOB) if p.is_dir() and (p / METADATA_FILE).exists())
+        return _prepared_layout(directory, files)
+    if _matching(files, (".idx",), file_pattern):
+        return _megatron_layout(directory, files, file_pattern)
+    parts = sorted(
+        name.split("/")[0]
+        for name in files
+        if name.count("/") == 1 and name.endswith("/" + METADATA_FILE) and fnmatchcase(name.split("/")[0], PART_GLOB)
+    )
     if parts and not file_pattern:
-        return _parts_layout(directory, parts)
-    return _npy_layout(directory, file_pattern)
+        return _parts_layout(directory, files, parts)
+    return _npy_layout(directory, files, file_pattern)
+
+
+def describe_folder(
+    directory: Path, reader: RangeReader | None, file_pattern: str | None, cache: DescriptionCache | None
+) -> dict[str, np.ndarray]:
+    """What describes the shards of ``directory`` (``shard_description``'s arrays), from one listing of
+    it: from ``cache`` where it holds that listing's description, else read (and then cached)."""
+    if reader is None and not directory.is_dir():
+        raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
+    try:
+        files = folder_versions(directory, reader)
+    except FileNotFoundError:  # a bucket that does not exist
+        files = {}
+    if not files and reader is not None:
+        raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
+    key = DescriptionCache.key(files, file_pattern)
+    arrays = cache.read(directory, file_pattern, key) if cache else None
+    if arrays is None:
+        arrays = layout_arrays(_read_layout(directory, files, file_pattern), directory, files)
+        if cache:
+            cache.write(directory, file_pattern, key, arrays)
+    return arrays
 
 
 class TokenShards:
@@ -276,6 +346,9 @@ class TokenShards:
         prefetch_steps: for a URL, micro-batches whose windows are requested together, the next
             group while the current one trains.
         io_threads: for a URL, range requests in flight at once, per process.
+        job: the job this process belongs to: the layout is read on its global rank 0 (or taken from
+            that node's cache of it) and sent to every rank, which sends no request for it. Default
+            ``None``: this process reads it, uncached.
     """
 
     def __init__(
@@ -285,29 +358,39 @@ class TokenShards:
         storage_options: dict[str, Any] | None = None,
         prefetch_steps: int = PREFETCH_STEPS,
         io_threads: int = IO_THREADS,
+        job: Job | None = None,
     ) -> None:
         self.directory = storage_path(directory, storage_options)
         self.prefetch_steps = prefetch_steps
         reader = RangeReader(str(directory), storage_options, io_threads) if is_url(directory) else None
+        cache = None if job is None else DescriptionCache()
+        describe = functools.partial(self._describe, str(directory), reader, file_pattern, cache)
+        layout, versions = layout_from_arrays(
+            describe() if job is None else job.arrays_from_rank_zero(describe), self.directory
+        )
+        self._set_layout(layout)
+        self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
+        if reader is not None:  # every ranged read sends the ETag listed (If-Match): a changed object is refused
+            reader.expect([str(shard.path) for shard in self._shards], versions)
+        # A local shard is checked against its (size, mtime) as rank 0 listed it; the other ranks note
+        # theirs when they first map it (another node may hold a copy of its own, with other mtimes).
+        local = reader is None and (job is None or job.rank == 0)
+        self._versions: list[Version | None] = versions if local else [None] * len(self._shards)
+
+    def _describe(
+        self, location: str, reader: RangeReader | None, file_pattern: str | None, cache: DescriptionCache | None
+    ) -> dict[str, np.ndarray]:
         try:
-            if not self.directory.is_dir():
-                raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
-            layout = _read_layout(self.directory, file_pattern)
-            if reader is not None:  # what the run reads: an object changed under it is refused
-                reader.expect([str(shard.path) for shard in layout.shards])
+            return describe_folder(self.directory, reader, file_pattern, cache)
         except ImportError as err:  # the URL's fsspec filesystem is not installed (gcsfs, ...)
-            raise ImportError(f"cannot read token shards at {str(directory)!r}: {err}") from None
+            raise ImportError(f"cannot read token shards at {location!r}: {err}") from None
         except Exception as err:
             if reader is None or isinstance(err, FileNotFoundError | ValueError):
                 raise
             # The store's own errors (no credentials, access denied, ...): one line naming the URL.
-            raise OSError(f"cannot read token shards at {str(directory)!r}: {describe_error(err)}") from None
-        self._set_layout(layout)
-        self._readers = [reader] * len(self._shards)  # per shard: a mixture may join local and remote streams
-        # Local shards' (size, mtime) as opened; a remote one's ETag goes with each read instead.
-        self._versions = [None if reader else local_version(os.stat(s.path)) for s in self._shards]
+            raise OSError(f"cannot read token shards at {location!r}: {describe_error(err)}") from None
 
-    def _set_layout(self, layout: _Layout) -> None:
+    def _set_layout(self, layout: ShardLayout) -> None:
         self.dtype = layout.dtype
         self._shards = layout.shards
         if self.dtype.kind not in "iu":
@@ -336,8 +419,8 @@ class TokenShards:
         shards = cls.__new__(cls)
         shards.directory = Path(name)
         digest = hashlib.blake2b(np.ascontiguousarray(tokens).data, digest_size=16).hexdigest()
-        shard = _Shard(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
-        shards._set_layout(_Layout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
+        shard = ShardFile(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
+        shards._set_layout(ShardLayout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
         shards._memory, shards._readers, shards.prefetch_steps = tokens, [None], PREFETCH_STEPS
         shards._versions = [None]
         return shards
@@ -368,6 +451,8 @@ class TokenShards:
         tokens = self._maps.get(i)
         if tokens is None:
             shard = self._shards[i]
+            if self._versions[i] is None and self._readers[i] is None:  # a rank other than 0: the file as opened
+                self._versions[i] = local_version(os.stat(shard.path))
             mm = np.memmap(shard.path, dtype=shard.dtype, mode="r", offset=shard.offset, shape=(shard.num_tokens,))
             # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs
             # about 1 us more per slice, as much as copying a whole window.
