@@ -1,19 +1,15 @@
-"""Member indexes of tar shards (the WebDataset format): where each member's bytes lie, so a sample
+"""Sample indexes of tar shards (the WebDataset format): where each sample's bytes lie, so a sample
 is one ranged read instead of a pass through the whole shard.
 
-A shard is indexed by walking its 512-byte headers with the standard library's ``tarfile``, seeking
-over the members' data: a local shard is read in place; a remote one through ranged reads of the
-headers only (``RangeReader``'s retries), whose size grows while the headers lie close together (a
-shard of small members then costs a few large requests, one of large members a small request per
-member). Indexes are kept in a node-local folder, one file per shard named by the shard's location,
-size and version (ETag, or mtime for a local file): a shard that changed is indexed again. Each
-member's 512-byte header is kept as an 8-byte digest, so a reader can check, on every read, that
-the header before the member's data is still the one indexed (``header_digest``).
-
-Samples follow webdataset's convention: a member's key is its name up to the first dot of its last
-path component, its field the rest, lowercased (``a/b.c/x.seg.jpg``: key ``a/b.c/x``, field
-``seg.jpg``); consecutive members with one key form a sample; directories, links and webdataset's
-``__*__`` metadata members are not samples' members.
+A shard is indexed by walking its 512-byte headers (``TarWalk``), seeking over the members' data: a
+local shard is read in place; a remote one through ranged reads of the headers only (``RangeReader``'s
+retries), whose size grows while the headers lie close together (a shard of small members then costs
+a few large requests, one of large members a small request per member). Each shard's index is kept
+in a node-local folder, one file per shard named by the shard's location, size and version (ETag, or
+mtime for a local file): a shard that changed is indexed again. The indexes of a set of shards are
+then assembled into one table there (``sample_table``), which every process maps. Each sample keeps
+a digest of its members' 512-byte headers, so a reader can check, on every read, that the headers it
+finds are still the ones indexed.
 """
 
 from __future__ import annotations
@@ -24,12 +20,10 @@ import logging
 import os
 import re
 import shutil
-import tarfile
 import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -39,12 +33,12 @@ import numpy as np
 
 from datamodules.storage.locations import is_url, process_filesystem
 from datamodules.storage.range_reader import RangeReader, local_version
+from datamodules.storage.sample_table import IndexedShards, TarIndex, assemble_table, decompressed_copy, table_name
+from datamodules.storage.tar_members import TarWalk, headers_digest, is_tar_end, samples_of
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = 2  # 2: the members' header digests
-_KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
-_META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
+INDEX_FORMAT = 3  # 2: the members' header digests; 3: a row a sample, assembled into a node table
 _TAR_NAME = re.compile(r"\.(tar|tgz)(\.\w+)?$")  # a shard's name, compressed or not (no glob in it)
 _COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 _FIRST_READ, _MOST_READ = 8 << 10, 1 << 20
@@ -55,67 +49,9 @@ def default_index_cache() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "datamodules", "tar_index")
 
 
-def key_and_field(name: str) -> tuple[str, str] | None:
-    """``(key, field)`` of a member name by webdataset's rule; ``None`` for a name with no dot."""
-    match = _KEY_AND_FIELD.match(name)
-    return None if match is None else (match.group(1), match.group(2).lower())
-
-
-def header_digest(block: bytes) -> int:
-    """An 8-byte digest (a signed int64) of a member's 512-byte tar header: its name, size, mode,
-    times and checksum; a header rewritten or shifted by any of these reads as another digest."""
-    return int.from_bytes(hashlib.blake2b(block, digest_size=8).digest(), "little", signed=True)
-
-
 def compression_of(head: bytes) -> str | None:
     """The compression whose magic number ``head`` starts with, if any."""
     return next((kind for magic, kind in _COMPRESSIONS.items() if head.startswith(magic)), None)
-
-
-@dataclass
-class TarIndex:
-    """The regular members of one tar shard: ``names``, and where each one's data starts and how long
-    it is (``offsets``, ``sizes``), and the digest of the header just before its data (``headers``);
-    ``lost_bytes``: bytes after the last complete member of a truncated or corrupt shard (0 for a
-    whole one)."""
-
-    names: np.ndarray  # bytes: UTF-8 names, a byte a character (a str array takes four)
-    offsets: np.ndarray  # int64
-    sizes: np.ndarray  # int64
-    headers: np.ndarray  # int64: header_digest of the 512 bytes before each member's data
-    lost_bytes: int = 0
-    decompressed: bool = False  # indexed (and read) from a decompressed copy beside the index
-
-    def samples(self) -> list[tuple[str, dict[str, int]]]:
-        """``(key, {field: member number})`` of each sample, in shard order (webdataset's grouping:
-        consecutive members sharing a key). A field repeated inside a sample keeps its first member."""
-        out: list[tuple[str, dict[str, int]]] = []
-        for number, name in enumerate(self.member_names()):
-            parts = key_and_field(name)
-            if parts is None:
-                continue
-            key, field = parts
-            if not out or out[-1][0] != key:
-                out.append((key, {}))
-            out[-1][1].setdefault(field, number)
-        return out
-
-    def member_names(self) -> list[str]:
-        return [name.decode("utf-8", errors="surrogateescape") for name in self.names.tolist()]
-
-    def save(self, path: Path) -> None:
-        """Written to a temporary name, then renamed: a reader sees the whole index or none."""
-        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        with partial.open("wb") as f:
-            np.savez(f, names=self.names, offsets=self.offsets, sizes=self.sizes, headers=self.headers,
-                     lost=self.lost_bytes, decompressed=self.decompressed)  # fmt: skip
-        os.replace(partial, path)
-
-    @classmethod
-    def load(cls, path: Path) -> TarIndex:
-        with np.load(path) as saved:
-            columns = (saved[name] for name in ("names", "offsets", "sizes", "headers"))
-            return cls(*columns, int(saved["lost"]), bool(saved["decompressed"]))
 
 
 class _HeaderReads:
@@ -155,48 +91,29 @@ class _HeaderReads:
         return out
 
 
-def walk_headers(fileobj: object, size: int, name: str) -> TarIndex:
+def index_tar(fileobj: object, size: int, name: str) -> TarIndex:
     """The index of the tar in ``fileobj`` (``size`` bytes), read header by header."""
-    names, offsets, sizes, headers = [], [], [], []
-    stopped_at = None
-    try:
-        with tarfile.open(fileobj=fileobj, mode="r:") as tar:  # type: ignore[call-overload]
-            for member in tar:
-                if member.offset_data + member.size > size:  # its data runs past the end
-                    stopped_at = member.offset
-                    break
-                if member.isreg() and not _META.match(member.name):
-                    names.append(member.name.encode("utf-8", errors="surrogateescape"))
-                    offsets.append(member.offset_data)
-                    sizes.append(member.size)
-                    # The member's own header is the block just read (after any long-name or pax
-                    # blocks): in the read buffer still. tarfile seeks back to its next header itself.
-                    fileobj.seek(member.offset_data - tarfile.BLOCKSIZE)  # type: ignore[attr-defined]
-                    headers.append(header_digest(fileobj.read(tarfile.BLOCKSIZE)))  # type: ignore[attr-defined]
-            else:
-                stopped_at = tar.offset
-    except tarfile.ReadError as err:
-        if not names and stopped_at is None:
-            raise ValueError(f"{name} is not a tar file ({err})") from None
-        stopped_at = tar.offset if stopped_at is None else stopped_at
-    lost = 0
-    fileobj.seek(stopped_at)  # type: ignore[attr-defined]
-    if fileobj.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):  # type: ignore[attr-defined]
-        lost = size - stopped_at  # no end-of-archive block where the members stop: truncated or corrupt
-    numbers = (np.array(column, dtype=np.int64) for column in (offsets, sizes, headers))
-    return TarIndex(np.array(names, dtype=bytes), *numbers, lost)
+    walk = TarWalk(fileobj, size, name)
+    fingerprint, members = hashlib.sha256(), 0
 
+    def each_member() -> Any:
+        nonlocal members
+        for member in walk:
+            members += 1
+            fingerprint.update(f"{member.name}\0{member.data}\0{member.size}\n".encode(errors="surrogateescape"))
+            yield member
 
-@dataclass
-class Shards:
-    """Tar shards and their indexes, built or loaded by ``index_shards``."""
-
-    locations: list[str]
-    indexes: list[TarIndex]
-    versions: list[tuple[int, str | None]]  # (size, ETag or mtime) each index was built for
-    bytes_read: int = 0  # by the header walks of this call (0 when every index came from the cache)
-    reader: RangeReader | None = None  # reads the remote shards, their versions recorded
-    read_locations: list[str] = field(default_factory=list)  # where members are read: the shard or its copy
+    starts, digests, keys, end = [], [], [], 0
+    for key, sample in samples_of(each_member()):
+        starts.append(sample[0].offset)
+        digests.append(headers_digest(sample))
+        keys.append(key.encode("utf-8", errors="surrogateescape"))
+        end = sample[-1].data + sample[-1].size
+    lost = 0 if is_tar_end(fileobj, walk.stopped_at) else size - walk.stopped_at
+    key_ends = np.cumsum([len(key) for key in keys], dtype=np.int64)
+    return TarIndex(np.array(starts, dtype=np.int64), np.array(digests, dtype=np.int64),
+                    np.frombuffer(b"".join(keys), dtype=np.uint8), key_ends, end, members,
+                    fingerprint.hexdigest()[:32], lost)  # fmt: skip
 
 
 def index_shards(
@@ -205,67 +122,104 @@ def index_shards(
     storage_options: dict[str, Any] | None = None,
     io_threads: int = 16,
     allow_compressed: bool = False,
-) -> Shards:
-    """The index of each shard: from ``cache_dir`` where it holds one for the shard's location, size
-    and version, else by walking the shard's headers (``io_threads`` shards at once, with a progress
-    bar) and kept there. All shards are local paths or all are URLs of one filesystem. A compressed
-    shard is refused, or with ``allow_compressed`` decompressed once into ``cache_dir`` (read whole),
-    its copy indexed and read in its place."""
+) -> IndexedShards:
+    """The shards' samples, as a node table in ``cache_dir`` (``assemble_table``): kept there for the
+    shards' locations, sizes and versions, else assembled from each shard's index file, itself kept
+    there or built (``build_shard_indexes``). All shards are local paths or all are URLs of one
+    filesystem. A compressed shard is refused, or with ``allow_compressed`` decompressed once into
+    ``cache_dir`` (read whole), its copy indexed and read in its place. A truncated shard is logged."""
+    reader, versions = _versions(locations, storage_options, io_threads)
+    folder = Path(cache_dir or default_index_cache())
+    folder.mkdir(parents=True, exist_ok=True)
+    table = folder / table_name(locations, versions, INDEX_FORMAT)
+    shards, read = _kept_table(table), 0
+    if shards is None or _copy_removed(shards):
+        paths, read = build_shard_indexes(locations, versions, folder, reader, io_threads, allow_compressed)
+        if shards is None:
+            assemble_table(table, locations, versions, paths)
+    shards = IndexedShards(table, reader, read)
+    for location, lost, members in zip(shards.locations, shards.lost_bytes, shards.members, strict=True):
+        if lost:
+            log.warning(
+                "%s is truncated or corrupt: its last %d bytes hold no complete member (%d members used)",
+                location, lost, members,
+            )  # fmt: skip
+    return shards
+
+
+def build_shard_indexes(
+    locations: list[str],
+    versions: list[tuple[int, str | None]],
+    folder: Path,
+    reader: RangeReader | None = None,
+    io_threads: int = 16,
+    allow_compressed: bool = False,
+) -> tuple[list[Path], int]:
+    """The index file in ``folder`` of each shard (of ``versions``; a remote one read through
+    ``reader``), and the bytes read to build them: an index kept there is used, others are built by
+    walking the shards' headers, ``io_threads`` shards at once with a progress bar."""
+    paths = [folder / _index_name(location, version) for location, version in zip(locations, versions, strict=True)]
+    todo = [i for i, path in enumerate(paths) if not _kept_index(path)]
+    read = 0
+    if todo:
+        from tqdm.auto import tqdm
+
+        def build(i: int) -> int:
+            copy = decompressed_copy(paths[i]) if allow_compressed else None
+            index, spent = _walk(locations[i], versions[i][0], reader, copy)
+            index.save(paths[i])
+            return spent
+
+        with (
+            ThreadPoolExecutor(min(io_threads, len(todo))) as pool,
+            tqdm(total=len(todo), desc="indexing tar shards", unit="shard", disable=len(todo) < 2) as bar,
+        ):
+            for spent in pool.map(build, todo):
+                read += spent
+                bar.update()
+    return paths, read
+
+
+def _versions(
+    locations: list[str], storage_options: dict[str, Any] | None, io_threads: int
+) -> tuple[RangeReader | None, list[tuple[int, str | None]]]:
+    """The reader of remote shards (none for local ones) and each shard's (size, ETag or mtime)."""
     remote = [is_url(location) for location in locations]
     if any(remote) and not all(remote):
         raise ValueError(
             f"shards must be all local or all URLs; got {locations[remote.index(False)]!r} and "
             f"{locations[remote.index(True)]!r}"
         )
-    reader = None
-    if remote and remote[0]:
-        reader = RangeReader(f"{urlparse(locations[0]).scheme}://", storage_options, io_threads)
-        try:
-            reader.expect(locations)
-        except FileNotFoundError as err:
-            raise ValueError(f"a tar shard does not exist: {err}") from None
-        versions = [reader.expected[location] for location in locations]
-    else:
-        versions = [_local_version(location) for location in locations]
-    folder = Path(cache_dir or default_index_cache())
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / _index_name(location, version) for location, version in zip(locations, versions, strict=True)]
-    indexes: list[TarIndex | None] = [None] * len(locations)
-    for i, path in enumerate(paths):
-        try:
-            index = TarIndex.load(path)
-        except (OSError, ValueError, KeyError):
-            continue
-        if not index.decompressed or _copy_of(path).exists():
-            indexes[i] = index
-    todo = [i for i, index in enumerate(indexes) if index is None]
-    read = 0
-    if todo:
-        from tqdm.auto import tqdm
+    if not remote or not remote[0]:
+        return None, [_local_version(location) for location in locations]
+    reader = RangeReader(f"{urlparse(locations[0]).scheme}://", storage_options, io_threads)
+    try:
+        reader.expect(locations)
+    except FileNotFoundError as err:
+        raise ValueError(f"a tar shard does not exist: {err}") from None
+    return reader, [reader.expected[location] for location in locations]
 
-        def build(i: int) -> tuple[int, TarIndex, int]:
-            index, spent = _walk(locations[i], versions[i][0], reader, _copy_of(paths[i]) if allow_compressed else None)
-            index.save(paths[i])
-            return i, index, spent
 
-        with (
-            ThreadPoolExecutor(min(io_threads, len(todo))) as pool,
-            tqdm(total=len(todo), desc="indexing tar shards", unit="shard", disable=len(todo) < 2) as bar,
-        ):
-            for i, index, spent in pool.map(build, todo):
-                indexes[i], read = index, read + spent
-                bar.update()
-    for location, index in zip(locations, indexes, strict=True):
-        if index is not None and index.lost_bytes:
-            log.warning(
-                "%s is truncated or corrupt: its last %d bytes hold no complete member (%d members used)",
-                location, index.lost_bytes, len(index.names),
-            )  # fmt: skip
-    read_locations = [
-        str(_copy_of(path)) if index.decompressed else location  # type: ignore[union-attr]
-        for path, index, location in zip(paths, indexes, locations, strict=True)
-    ]
-    return Shards(list(locations), indexes, versions, read, reader, read_locations)  # type: ignore[arg-type]
+def _kept_table(table: Path) -> IndexedShards | None:
+    try:
+        return IndexedShards(table)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _copy_removed(shards: IndexedShards) -> bool:
+    """Whether a compressed shard's decompressed copy was removed since its table was assembled."""
+    copies = [read for read, location in zip(shards.read_locations, shards.locations, strict=True) if read != location]
+    return not all(map(os.path.exists, copies))
+
+
+def _kept_index(path: Path) -> bool:
+    """Whether ``path`` holds a whole index (and its decompressed copy, for a compressed shard)."""
+    try:
+        about = TarIndex.about(path)
+    except (OSError, ValueError, KeyError):
+        return False
+    return not about["decompressed"] or decompressed_copy(path).exists()
 
 
 def _local_version(location: str) -> tuple[int, str | None]:
@@ -279,11 +233,6 @@ def _index_name(location: str, version: tuple[int, str | None]) -> str:
     absolute = location if is_url(location) else os.path.abspath(location)
     key = hashlib.sha256(repr((INDEX_FORMAT, absolute, version)).encode()).hexdigest()[:32]
     return f"{Path(urlparse(location).path).stem}-{key}.npz"
-
-
-def _copy_of(index_path: Path) -> Path:
-    """Where a compressed shard's decompressed copy is kept: beside its index."""
-    return index_path.with_suffix(".tar")
 
 
 def _walk(location: str, size: int, reader: RangeReader | None, copy: Path | None) -> tuple[TarIndex, int]:
@@ -323,7 +272,7 @@ def _walk(location: str, size: int, reader: RangeReader | None, copy: Path | Non
 
 def _walk_through(read: Callable[[int, int], bytes], location: str, size: int) -> tuple[TarIndex, int]:
     reads = _HeaderReads(read, size)
-    return walk_headers(reads, size, location), reads.bytes_read
+    return index_tar(reads, size, location), reads.bytes_read
 
 
 _FSSPEC_CODECS = {"gzip": "gzip", "bzip2": "bz2", "xz": "xz", "zstd": "zstd"}

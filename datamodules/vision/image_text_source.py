@@ -16,7 +16,7 @@ from datamodules.plan.hf_loading import check_data_files, is_saved_dataset, load
 from datamodules.plan.loader import SourceSpec
 from datamodules.plan.parallelism import Job
 from datamodules.storage.remote_files import RemoteFiles
-from datamodules.storage.tar_index import Shards
+from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
@@ -153,7 +153,7 @@ class ImageTextSource(SourceSpec):
             if clash:
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
 
-    def _shards(self, split: str) -> Shards:
+    def _shards(self, split: str) -> IndexedShards:
         """The tar shards of ``split``, indexed (``path="webdataset"``)."""
         cache, compressed = self.load_kwargs.get("cache_dir"), self.load_kwargs.get("allow_compressed_tar", False)
         return indexed_shards(split_shards(self.data_files, split), cache, self.storage_options, compressed)

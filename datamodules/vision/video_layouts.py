@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
 from datamodules.storage.locations import is_url, join_location, storage_path
-from datamodules.storage.tar_index import Shards
+from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
 
 VIDEO_LAYOUTS: dict[str, type[VideoLayout]] = {}
@@ -270,7 +270,7 @@ class WebDatasetLayout(VideoLayout):
         self.index_cache_dir = index_cache_dir
         self.allow_compressed_tar = allow_compressed_tar
 
-    def _shards(self, manifest: str | list[str]) -> Shards:
+    def _shards(self, manifest: str | list[str]) -> IndexedShards:
         shards = [join_location(self.data_root, m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
         return indexed_shards(shards, self.index_cache_dir, self.storage_options, self.allow_compressed_tar)
 

@@ -3,22 +3,25 @@
 ``WebDatasetRows`` answers ``len`` and ``rows[i]`` as a ``datasets.Dataset`` does, so the image-text
 and video samples read it as they read any dataset: a row is a dict of the chosen fields, a media
 field as ``{"bytes", "path"}`` (``path`` names the member: ``shard.tar:key.jpg``), a text field as a
-string; a sample without one of the fields, or whose text is not UTF-8, is a ``BadSample``. A row's
-members are one byte range of its shard (a sample's members lie together): one request per sample,
-and ``prefetch`` requests a micro-batch's ranges together.
+string; a sample without one of the fields, or whose text is not UTF-8, is a ``BadSample``. A row is
+one byte range of its shard, from its first tar header to the next sample's: one request per sample
+(members not asked for, and any non-sample member before the next sample, are read and dropped: a
+sample's members are found by their headers, which are read anyway), and ``prefetch`` requests a
+micro-batch's ranges together. The rows' places come from the shards' node table (``IndexedShards``),
+mapped: a process holds a few numbers per shard, not per sample.
 
 A shard changed under the run is refused (``ChangedDuringRun``), never read by the old offsets: the
-range starts 512 bytes early, so it holds the tar header of every member read, each checked against
-the index's digest; a local shard's size and mtime are checked beside each read (one ``fstat``), a
-bucket's ETag by the GET itself (``If-Match``).
+tar headers of the sample's members, found in the range, are checked against the index's digest; a
+local shard's size and mtime are checked beside each read (one ``fstat``), a bucket's ETag by the GET
+itself (``If-Match``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,9 @@ import numpy as np
 from datamodules.plan.bad_samples import BadSample
 from datamodules.storage.locations import is_url
 from datamodules.storage.range_reader import ChangedDuringRun, changed_message, read_range, read_unchanged
-from datamodules.storage.tar_index import Shards, header_digest, index_shards, shard_locations
+from datamodules.storage.sample_table import IndexedShards
+from datamodules.storage.tar_index import index_shards, shard_locations
+from datamodules.storage.tar_members import Member, TarWalk, headers_digest, key_and_field
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +54,8 @@ class WebDatasetRows:
     ``"json:NAME"`` takes ``NAME`` from the sample's ``.json`` member. The fields named in ``media``
     are given as bytes, the others as text."""
 
-    def __init__(self, shards: Shards, fields: dict[str, str], media: tuple[str, ...]) -> None:
+    def __init__(self, shards: IndexedShards, fields: dict[str, str], media: tuple[str, ...]) -> None:
+        self.shards = shards
         self.reader = shards.reader  # remote shards' ranges, with their sizes and ETags recorded
         self.media = media
         self.locations = shards.locations
@@ -64,72 +70,28 @@ class WebDatasetRows:
         self._prefetched: dict[int, bytes] = {}
         # field -> its choices in order of preference, each (member field, name inside a .json or None)
         self.choices = {f: [_choice(c) for c in key_choices(f"{f}_key", spec)] for f, spec in fields.items()}
-        shard_ids, keys, starts, ends, member_set_ids = [], [], [], [], []
-        # field -> (offset, size, choice, header digest) a row
-        chosen: dict[str, list[tuple[int, int, int, int]]] = {field: [] for field in fields}
-        member_sets: dict[tuple[str, ...], int] = {}  # each distinct set of member fields, numbered (for messages)
-        empty = []
-        for number, index in enumerate(shards.indexes):
-            offsets, sizes = index.offsets.tolist(), index.sizes.tolist()  # Python ints: this loop is per member
-            headers = index.headers.tolist()
-            samples = index.samples()
-            if not samples:
-                empty.append(self.locations[number])
-            for key, present in samples:
-                picks = {
-                    field: next(((n, present[m]) for n, (m, _) in enumerate(choices) if m in present), None)
-                    for field, choices in self.choices.items()
-                }
-                used = [pick[1] for pick in picks.values() if pick is not None] or [next(iter(present.values()))]
-                start = min(offsets[m] for m in used) - tarfile.BLOCKSIZE  # the first member's header too
-                end = max(offsets[m] + sizes[m] for m in used)
-                shard_ids.append(number)
-                keys.append(key)
-                starts.append(start)
-                ends.append(end)
-                member_set_ids.append(member_sets.setdefault(tuple(present), len(member_sets)))
-                for field, pick in picks.items():
-                    if pick is None:
-                        chosen[field].append((-1, 0, -1, 0))
-                    else:
-                        m = pick[1]
-                        chosen[field].append((offsets[m] - start, sizes[m], pick[0], headers[m]))
+        empty = [location for number, location in enumerate(self.locations) if shards.samples_in(number) == 0]
         if empty:
             log.warning(
                 "%d of %d tar shards hold no sample: %s%s", len(empty), len(self.locations), ", ".join(empty[:5]),
                 f" and {len(empty) - 5} more" if len(empty) > 5 else "",
             )  # fmt: skip
-        self.shard_ids = np.array(shard_ids, dtype=np.int32)
-        self.keys = np.array([key.encode("utf-8", errors="surrogateescape") for key in keys], dtype=bytes)
-        self.starts = np.array(starts, dtype=np.int64)
-        self.ends = np.array(ends, dtype=np.int64)
-        self.fields = {field: np.array(places, dtype=np.int64).reshape(-1, 4) for field, places in chosen.items()}
-        self.member_sets = list(member_sets)
-        self.member_set_ids = np.array(member_set_ids, dtype=np.int32)
         digest = hashlib.sha256(repr(sorted(fields.items())).encode())
-        # What a changed shard changes: its members' names, sizes and places; in a bucket, its ETag too (a
-        # local file's mtime is left out: a copy of the shards elsewhere resumes).
-        for location, index, (_, tag) in zip(self.locations, shards.indexes, shards.versions, strict=True):
-            digest.update(location.rsplit("/", 1)[-1].encode())
-            for array in (index.offsets, index.sizes):
-                digest.update(array.tobytes())
-            digest.update(b"\n".join(index.names.tolist()))
-            if is_url(location):
-                digest.update(str(tag).encode())
+        digest.update(shards.fingerprint.encode())  # the shards' members' names, sizes and places; ETags
         self._fingerprint = digest.hexdigest()[:32]
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.shards)
 
     def describe(self, row: int) -> str:
-        return f"{self.locations[self.shard_ids[row]]}:{self.keys[row].decode('utf-8', errors='surrogateescape')}"
+        return f"{self.locations[int(self.shards.shard_of(row))]}:{self.shards.key(row)}"
 
     def prefetch(self, rows: list[int]) -> None:
         """Read the rows' members now, together (one request per row, concurrent, adjacent rows of a
         shard merged); the next ``self[row]`` of each takes them from memory."""
         rows = [int(r) for r in rows]
-        paths = [self.read_locations[self.shard_ids[r]] for r in rows]
-        starts, ends = self.starts[rows].tolist(), self.ends[rows].tolist()
+        shards, starts, ends = (column.tolist() for column in self.shards.spans(np.array(rows, dtype=np.int64)))
+        paths = [self.read_locations[shard] for shard in shards]
         remote = [i for i, path in enumerate(paths) if is_url(path)]
         spans = [b""] * len(rows)
         if remote:
@@ -139,7 +101,7 @@ class WebDatasetRows:
             for i, span in zip(remote, fetched, strict=True):
                 spans[i] = span
         for i, path in enumerate(paths):
-            version = self.local_versions[self.shard_ids[rows[i]]]
+            version = self.local_versions[shards[i]]
             if version is not None:
                 spans[i] = read_unchanged(path, starts[i], ends[i], version)
             elif not is_url(path):
@@ -158,42 +120,57 @@ class WebDatasetRows:
             span = self._prefetched.pop(row)
         return self._row(row, span)
 
-    def _row(self, row: int, span: bytes) -> dict[str, Any]:
-        places = {field: places[row].tolist() for field, places in self.fields.items()}
-        for field, (offset, _, choice, header) in places.items():
-            if offset >= 0 and header_digest(span[offset - tarfile.BLOCKSIZE : offset]) != header:
-                member = self.choices[field][choice][0]
-                where = int(self.starts[row]) + offset - tarfile.BLOCKSIZE
-                raise ChangedDuringRun(
-                    changed_message(
-                        self.locations[self.shard_ids[row]],
-                        f"the tar header at byte {where} is no longer the one of its member "
-                        f"{self.keys[row].decode('utf-8', errors='surrogateescape')}.{member} that the run indexed",
-                    )
+    def _members(self, row: int, span: bytes) -> dict[str, Member]:
+        """The row's members in ``span`` by field (a field repeated keeps its first member), their
+        headers checked against the index: a shard changed under the run is refused."""
+        found: list[tuple[str, Member]] = []
+        try:
+            for member in TarWalk(io.BytesIO(span), len(span), f"row {row}"):
+                parts = key_and_field(member.name)
+                if parts is not None:
+                    found.append((parts[1], member))
+        except ValueError:  # no tar header where the sample starts
+            found = []
+        if not found or headers_digest(member for _, member in found) != self.shards.digest(row):
+            shard, start, _ = (int(column[0]) for column in self.shards.spans(np.array([row])))
+            raise ChangedDuringRun(
+                changed_message(
+                    self.locations[shard],
+                    f"the tar header at byte {start} is no longer the one of its sample {self.shards.key(row)} "
+                    "that the run indexed",
                 )
+            )
+        members: dict[str, Member] = {}
+        for field, member in found:
+            members.setdefault(field, member)
+        return members
+
+    def _row(self, row: int, span: bytes) -> dict[str, Any]:
+        members = self._members(row, span)
         out: dict[str, Any] = {}
-        for field, (offset, size, choice, _) in places.items():
-            if offset < 0:
-                wanted = " or ".join(f".{member}" for member, _ in self.choices[field])
-                has = ", ".join(f".{member}" for member in self.member_sets[self.member_set_ids[row]])
-                raise BadSample(f"it has no {wanted} member (its members: {has})")
-            data = span[offset : offset + size]
-            member, json_name = self.choices[field][choice]
+        for field, choices in self.choices.items():
+            picked = next(((name, json_name) for name, json_name in choices if name in members), None)
+            if picked is None:
+                wanted = " or ".join(f".{name}" for name, _ in choices)
+                raise BadSample(f"it has no {wanted} member (its members: {', '.join(f'.{m}' for m in members)})")
+            name, json_name = picked
+            found = members[name]
+            data = span[found.data : found.data + found.size]
             if field in self.media:
-                out[field] = {"bytes": data, "path": f"{self.describe(row)}.{member}"}
+                out[field] = {"bytes": data, "path": f"{self.describe(row)}.{name}"}
             elif json_name is not None:
                 try:
                     value = json.loads(data)
                 except ValueError as err:
-                    raise BadSample(f"its {member} member is not JSON ({err})") from None
+                    raise BadSample(f"its {name} member is not JSON ({err})") from None
                 if not isinstance(value, dict):
-                    raise BadSample(f"its {member} member is a JSON {type(value).__name__}, not an object")
+                    raise BadSample(f"its {name} member is a JSON {type(value).__name__}, not an object")
                 out[field] = value.get(json_name)
             else:
                 try:
                     out[field] = data.decode("utf-8")
                 except UnicodeDecodeError as err:
-                    raise BadSample(f"its {member} member is not UTF-8 text ({err})") from None
+                    raise BadSample(f"its {name} member is not UTF-8 text ({err})") from None
         return out
 
 
@@ -236,7 +213,7 @@ def split_shards(data_files: str | list[str] | dict[str, Any] | None, split: str
 
 def indexed_shards(
     shards: str | list[str], cache_dir: str | None, storage_options: dict[str, Any] | None, allow_compressed: bool
-) -> Shards:
+) -> IndexedShards:
     """The shards ``shards`` names, indexed (or their indexes read from ``cache_dir``): what
     ``prepare_data`` builds once per node, without the rows."""
     locations = shard_locations(shards, storage_options)

@@ -1,16 +1,24 @@
-"""Tar shards' member indexes: built from the headers, kept per node, rebuilt for a changed shard; a
-truncated shard keeps its complete members, a compressed one is refused with how to fix it."""
+"""Tar shards' sample indexes: built from the headers (plain ones parsed directly, any other by tarfile,
+the members alike), kept per node, rebuilt for a changed shard; a truncated or corrupt shard keeps
+its complete members, a compressed one is refused with how to fix it."""
 
 from __future__ import annotations
 
+import io
 import tarfile
 from pathlib import Path
 
 import pytest
 
+from datamodules.storage.sample_table import IndexedShards
 from datamodules.storage.tar_index import index_shards
+from datamodules.storage.tar_members import TarWalk
 from tests.storage.tar_data import tar_of
 from tests.vision.image_data import caption
+
+
+def keys(shards: IndexedShards) -> list[str]:
+    return [shards.key(row) for row in range(len(shards))]
 
 
 def test_a_truncated_shard_keeps_its_complete_samples_and_logs_the_lost_bytes(
@@ -21,12 +29,11 @@ def test_a_truncated_shard_keeps_its_complete_samples_and_logs_the_lost_bytes(
     cut = tmp_path / "cut.tar"
     cut.write_bytes(whole[: len(whole) // 2])
     shards = index_shards([str(cut)], str(tmp_path / "idx"))
-    complete = shards.indexes[0]
     with tarfile.open(tmp_path / "whole.tar") as tar:
         ends = [m.offset_data + m.size for m in tar.getmembers()]
-    assert len(complete.names) == sum(end <= len(whole) // 2 for end in ends) > 0
-    assert complete.lost_bytes > 0 and "cut.tar is truncated or corrupt" in caplog.text
-    assert f"its last {complete.lost_bytes} bytes" in caplog.text
+    assert len(shards) == sum(end <= len(whole) // 2 for end in ends) > 0
+    assert shards.lost_bytes[0] > 0 and "cut.tar is truncated or corrupt" in caplog.text
+    assert f"its last {shards.lost_bytes[0]} bytes" in caplog.text
 
 
 def test_a_compressed_shard_is_refused_with_how_to_recompress_or_decompressed_once_when_allowed(tmp_path: Path) -> None:
@@ -41,7 +48,7 @@ def test_a_compressed_shard_is_refused_with_how_to_recompress_or_decompressed_on
     allowed = index_shards([str(tmp_path / "s.tar.gz")], str(tmp_path / "idx"), allow_compressed=True)
     copy = Path(allowed.read_locations[0])
     assert copy.parent == tmp_path / "idx" and copy.read_bytes() == plain
-    assert allowed.indexes[0].member_names() == ["a.txt", "b.txt"] and allowed.indexes[0].decompressed
+    assert keys(allowed) == ["a", "b"]
     again = index_shards([str(tmp_path / "s.tar.gz")], str(tmp_path / "idx"), allow_compressed=True)
     assert again.read_locations == allowed.read_locations and again.bytes_read == 0  # the cached index and copy
 
@@ -49,8 +56,46 @@ def test_a_compressed_shard_is_refused_with_how_to_recompress_or_decompressed_on
 def test_the_index_is_kept_and_a_changed_shard_is_indexed_again(tmp_path: Path) -> None:
     shard = tar_of(tmp_path / "s.tar", [("a.txt", b"one"), ("b.txt", b"two")])
     first = index_shards([str(shard)], str(tmp_path / "idx"))
-    assert first.indexes[0].member_names() == ["a.txt", "b.txt"] and len(list((tmp_path / "idx").iterdir())) == 1
+    kept = sorted((tmp_path / "idx").iterdir())  # the shard's index and the node table
+    assert keys(first) == ["a", "b"] and first.bytes_read > 0 and len(kept) == 2
     again = index_shards([str(shard)], str(tmp_path / "idx"))
-    assert again.indexes[0].member_names() == ["a.txt", "b.txt"] and len(list((tmp_path / "idx").iterdir())) == 1
+    assert keys(again) == ["a", "b"] and again.bytes_read == 0 and sorted((tmp_path / "idx").iterdir()) == kept
     tar_of(shard, [("a.txt", b"one"), ("b.txt", b"two"), ("c.txt", b"three")])
-    assert index_shards([str(shard)], str(tmp_path / "idx")).indexes[0].member_names() == ["a.txt", "b.txt", "c.txt"]
+    assert keys(index_shards([str(shard)], str(tmp_path / "idx"))) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_the_members_walked_are_tarfiles_own_in_each_tar_format(tmp_path: Path, tar_format: int) -> None:
+    names = ["a/b/short.txt", f"{'deep/' * 30}long.name.txt", "naïve/ünïcode.json", "__key__", "noext", "c.x" * 50]
+    path = tmp_path / "formats.tar"
+    with tarfile.open(path, "w", format=tar_format) as tar:
+        for i, name in enumerate(names):
+            if tar_format == tarfile.USTAR_FORMAT and len(name) > 100 and "/" not in name:
+                continue  # ustar holds no such name
+            info = tarfile.TarInfo(name)
+            info.size = 1000 * i
+            tar.addfile(info, io.BytesIO(bytes(info.size)))
+            folder, link = tarfile.TarInfo(f"folder{i}"), tarfile.TarInfo(f"link{i}.txt")
+            folder.type, link.type, link.linkname = tarfile.DIRTYPE, tarfile.SYMTYPE, "a/b/short.txt"
+            tar.addfile(folder)
+            tar.addfile(link)
+    with tarfile.open(path) as tar:
+        theirs = [(m.offset, m.offset_data, m.size, m.name) for m in tar if m.isreg() and m.name != "__key__"]
+    with path.open("rb") as f:
+        ours = [(m.offset, m.data, m.size, m.name) for m in TarWalk(f, path.stat().st_size, str(path))]
+    assert ours == theirs and len(ours) >= 4
+
+
+def test_a_corrupt_header_ends_the_shard_where_tarfile_ends_it_and_a_file_no_tar_is_named(tmp_path: Path) -> None:
+    data = bytearray(tar_of(tmp_path / "s.tar", [(f"s{i}.txt", caption(i).encode()) for i in range(4)]).read_bytes())
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        third = tar.getmembers()[2].offset
+    data[third + 10] ^= 1  # its name, and so its checksum, no longer match
+    (tmp_path / "s.tar").write_bytes(data)
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        assert [m.name for m in tar] == ["s0.txt", "s1.txt"]
+    shards = index_shards([str(tmp_path / "s.tar")], str(tmp_path / "idx"))
+    assert keys(shards) == ["s0", "s1"] and shards.lost_bytes == [len(data) - third]
+    (tmp_path / "no.tar").write_bytes(b"a text file, not a tar" * 100)
+    with pytest.raises(ValueError, match=r"no\.tar is not a tar file \(invalid header\)"):
+        index_shards([str(tmp_path / "no.tar")], str(tmp_path / "idx"))
