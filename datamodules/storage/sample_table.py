@@ -50,11 +50,6 @@ class TarIndex:
     lost_bytes: int = 0
     decompressed: bool = False
 
-    def key_list(self) -> list[str]:
-        """The samples' keys, in order."""
-        blob, bounds = self.keys.tobytes(), [0, *self.key_ends.tolist()]
-        return [blob[a:b].decode("utf-8", errors="surrogateescape") for a, b in zip(bounds, bounds[1:], strict=False)]
-
     def save(self, path: Path) -> None:
         """Written to a temporary name, then renamed: a reader sees the whole index or none."""
         about = {name: getattr(self, name) for name in _ABOUT}
@@ -85,8 +80,8 @@ def decompressed_copy(index_path: Path) -> Path:
 
 def table_name(locations: list[str], versions: list[tuple[int, str | None]], index_format: int) -> str:
     """The table's folder name: a digest of the shards' locations and versions."""
-    named = [(location if is_url(location) else os.path.abspath(location), list(version))
-             for location, version in zip(locations, versions, strict=True)]  # fmt: skip
+    absolute = [location if is_url(location) else os.path.abspath(location) for location in locations]
+    named = list(zip(absolute, map(list, versions), strict=True))
     return f"samples-{hashlib.sha256(repr((index_format, named)).encode()).hexdigest()[:32]}"
 
 
@@ -102,18 +97,18 @@ def assemble_table(
         str(decompressed_copy(path)) if about["decompressed"] else location
         for location, path, about in zip(locations, index_paths, abouts, strict=True)
     ]
-    firsts = np.cumsum([0] + [about["samples"] for about in abouts])
+    firsts = np.cumsum([0] + [about["samples"] for about in abouts]).tolist()
     partial = table.with_name(f".{table.name}.{uuid.uuid4().hex}")
     partial.mkdir(parents=True)
     try:
-        _write_arrays(partial, index_paths, int(firsts[-1]), sum(about["key_bytes"] for about in abouts))
+        _write_arrays(partial, index_paths, firsts[-1], sum(about["key_bytes"] for about in abouts))
+        columns = zip(locations, read_locations, versions, firsts[:-1], abouts, strict=True)
         shards = [
-            {"location": location, "read_location": read, "version": list(version), "first": int(first),
-             "end": about["end"], "members": about["members"], "lost_bytes": about["lost_bytes"]}
-            for location, read, version, first, about in zip(locations, read_locations, versions, firsts, abouts,
-                                                             strict=False)  # firsts: one more
-        ]  # fmt: skip
-        described = {"fingerprint": _fingerprint(locations, versions, abouts), "samples": int(firsts[-1])}
+            {"location": location, "read_location": read, "version": list(version), "first": first}
+            | {name: about[name] for name in ("end", "members", "lost_bytes")}
+            for location, read, version, first, about in columns
+        ]
+        described = {"fingerprint": _fingerprint(locations, versions, abouts), "samples": firsts[-1]}
         (partial / "shards.json").write_text(json.dumps({**described, "shards": shards}))
         os.rename(partial, table)
     except OSError:

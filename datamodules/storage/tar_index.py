@@ -55,7 +55,7 @@ def compression_of(head: bytes) -> str | None:
 
 
 class _HeaderReads:
-    """A file of ``size`` bytes read through ``read(start, end)``, for ``tarfile``: each miss fetches
+    """A file of ``size`` bytes read through ``read(start, end)``, for ``TarWalk``: each miss fetches
     from the position on, ``_FIRST_READ`` bytes, doubling (up to ``_MOST_READ``) while misses land
     within half a read of the previous one's end, so densely packed small members are read in few
     requests and large ones cost one small request each."""
@@ -94,26 +94,25 @@ class _HeaderReads:
 def index_tar(fileobj: object, size: int, name: str) -> TarIndex:
     """The index of the tar in ``fileobj`` (``size`` bytes), read header by header."""
     walk = TarWalk(fileobj, size, name)
-    fingerprint, members = hashlib.sha256(), 0
-
-    def each_member() -> Any:
-        nonlocal members
-        for member in walk:
-            members += 1
-            fingerprint.update(f"{member.name}\0{member.data}\0{member.size}\n".encode(errors="surrogateescape"))
-            yield member
-
-    starts, digests, keys, end = [], [], [], 0
-    for key, sample in samples_of(each_member()):
+    starts, digests, keys, end, members = [], [], [], 0, 0
+    fingerprint = hashlib.sha256()
+    for key, sample in samples_of(walk):
         starts.append(sample[0].offset)
         digests.append(headers_digest(sample))
         keys.append(key.encode("utf-8", errors="surrogateescape"))
-        end = sample[-1].data + sample[-1].size
-    lost = 0 if is_tar_end(fileobj, walk.stopped_at) else size - walk.stopped_at
-    key_ends = np.cumsum([len(key) for key in keys], dtype=np.int64)
-    return TarIndex(np.array(starts, dtype=np.int64), np.array(digests, dtype=np.int64),
-                    np.frombuffer(b"".join(keys), dtype=np.uint8), key_ends, end, members,
-                    fingerprint.hexdigest()[:32], lost)  # fmt: skip
+        end, members = sample[-1].data + sample[-1].size, members + len(sample)
+        for member in sample:
+            fingerprint.update(f"{member.name}\0{member.data}\0{member.size}\n".encode(errors="surrogateescape"))
+    return TarIndex(
+        starts=np.array(starts, dtype=np.int64),
+        digests=np.array(digests, dtype=np.int64),
+        keys=np.frombuffer(b"".join(keys), dtype=np.uint8),
+        key_ends=np.cumsum([len(key) for key in keys], dtype=np.int64),
+        end=end,
+        members=members,
+        fingerprint=fingerprint.hexdigest()[:32],
+        lost_bytes=0 if is_tar_end(fileobj, walk.stopped_at) else size - walk.stopped_at,
+    )
 
 
 def index_shards(

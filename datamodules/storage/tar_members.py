@@ -20,7 +20,7 @@ _KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
 _ZEROS = bytes(BLOCK)
 _MAGICS = (b"ustar\x0000", b"ustar  \x00")  # POSIX, GNU
-_PLAIN_TYPES = {tarfile.REGTYPE: True, tarfile.AREGTYPE: True, tarfile.DIRTYPE: False}  # type -> has data
+_PLAIN_TYPES = {tarfile.REGTYPE: True, tarfile.AREGTYPE: True, tarfile.DIRTYPE: False}  # type -> a regular file
 
 
 def key_and_field(name: str) -> tuple[str, str] | None:
@@ -60,21 +60,21 @@ class TarWalk:
                 break
             plain = _plain_header(block)
             if plain is not None:
-                name, has_data, size = plain
+                name, regular, size = plain
                 offset, data, header = position, position + BLOCK, block
-                following = data + (-(-size // BLOCK) * BLOCK if has_data else 0)
+                following = data + (-(-size // BLOCK) * BLOCK if regular else 0)
             else:
                 found = self._through_tarfile(position)
                 if found is None:
                     break
                 info, following = found
-                name, has_data, size = info.name, info.isreg(), info.size
+                name, regular, size = info.name, info.isreg(), info.size
                 offset, data = info.offset, info.offset_data
-                header = self._read(data - BLOCK, BLOCK) if has_data else b""
+                header = self._read(data - BLOCK, BLOCK) if regular else b""
             if data + size > self.size:  # its data runs past the end
                 position = offset
                 break
-            if has_data and not _META.match(name):
+            if regular and not _META.match(name):
                 yield Member(offset, data, size, name, header)
             position = following
         self.stopped_at = position
@@ -97,7 +97,7 @@ class TarWalk:
 
 
 def _plain_header(block: bytes) -> tuple[str, bool, int] | None:
-    """``(name, has data, size)`` of a ustar header of a file or a folder, read as ``tarfile`` reads it;
+    """``(name, regular, size)`` of a ustar header of a file or a folder, read as ``tarfile`` reads it;
     ``None`` for any other block (another kind of header, a bad checksum, not a header)."""
     if len(block) != BLOCK or block[257:265] not in _MAGICS or block[124] & 0x80:  # 0x80: a base-256 size
         return None
@@ -111,10 +111,10 @@ def _plain_header(block: bytes) -> tuple[str, bool, int] | None:
     if checksum != sum(block) - sum(block[148:156]) + 8 * ord(" "):
         return None
     name = _text(block[:100])
-    has_data = _PLAIN_TYPES[kind] and not (kind == tarfile.AREGTYPE and name.endswith("/"))  # a V7 folder
+    regular = _PLAIN_TYPES[kind] and not (kind == tarfile.AREGTYPE and name.endswith("/"))  # a V7 folder
     if block[345]:  # a ustar name's first part
         name = f"{_text(block[345:500])}/{name}"
-    return name, has_data, size
+    return name, regular, size
 
 
 def _octal(field: bytes) -> int:

@@ -5,6 +5,9 @@ its complete members, a compressed one is refused with how to fix it."""
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from datamodules.storage.tar_index import index_shards
 from datamodules.storage.tar_members import TarWalk
 from tests.storage.tar_data import tar_of
 from tests.vision.image_data import caption
+
+ROOT = Path(__file__).parents[2]
 
 
 def keys(shards: IndexedShards) -> list[str]:
@@ -51,6 +56,9 @@ def test_a_compressed_shard_is_refused_with_how_to_recompress_or_decompressed_on
     assert keys(allowed) == ["a", "b"]
     again = index_shards([str(tmp_path / "s.tar.gz")], str(tmp_path / "idx"), allow_compressed=True)
     assert again.read_locations == allowed.read_locations and again.bytes_read == 0  # the cached index and copy
+    copy.unlink()
+    again = index_shards([str(tmp_path / "s.tar.gz")], str(tmp_path / "idx"), allow_compressed=True)
+    assert again.read_locations == allowed.read_locations and copy.read_bytes() == plain  # decompressed again
 
 
 def test_the_index_is_kept_and_a_changed_shard_is_indexed_again(tmp_path: Path) -> None:
@@ -99,3 +107,18 @@ def test_a_corrupt_header_ends_the_shard_where_tarfile_ends_it_and_a_file_no_tar
     (tmp_path / "no.tar").write_bytes(b"a text file, not a tar" * 100)
     with pytest.raises(ValueError, match=r"no\.tar is not a tar file \(invalid header\)"):
         index_shards([str(tmp_path / "no.tar")], str(tmp_path / "idx"))
+
+
+def test_processes_indexing_the_same_shards_at_once_share_one_table(tmp_path: Path) -> None:
+    shards = [str(tar_of(tmp_path / f"s{i}.tar", [(f"{i}-{j}.txt", b"x" * j) for j in range(50)])) for i in range(4)]
+    script = (
+        "import json, sys; from datamodules.storage.tar_index import index_shards; "
+        "shards = index_shards(json.loads(sys.argv[1]), sys.argv[2]); print(len(shards), shards.fingerprint)"
+    )
+    command = [sys.executable, "-c", script, json.dumps(shards), str(tmp_path / "idx")]
+    racing = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(4)]
+    printed = {process.communicate()[0] for process in racing}
+    assert all(process.returncode == 0 for process in racing) and len(printed) == 1
+    kept = sorted(path.name.split("-")[0] for path in (tmp_path / "idx").iterdir())
+    assert kept == ["s0", "s1", "s2", "s3", "samples"]  # an index a shard and one table; no partial file left
+    assert keys(index_shards(shards, str(tmp_path / "idx")))[:2] == ["0-0", "0-1"]
