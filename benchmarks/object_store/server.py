@@ -73,7 +73,9 @@ class S3Proxy:
     ranged GETs) and ``requests`` (object path and Range header of each ranged GET) count what passed;
     ``gets`` and ``get_bytes`` count every GET and its body, ranged or whole (a client that downloads
     whole objects sends no Range); ``puts`` lists the object path of every PUT, in order; ``methods``
-    counts requests by method; ``paths`` lists ``(method, object path)`` of every request.
+    counts requests by method; ``paths`` lists ``(method, object path)`` of every request, and
+    ``unconditional`` those sent without ``If-Match`` (every request but the reads checked against an
+    ETag recorded before).
     """
 
     def __init__(self, upstream: str, delay: float = 0.0) -> None:
@@ -88,6 +90,7 @@ class S3Proxy:
         self.puts: list[str] = []  # object path of every PUT, in order
         self.methods: Counter[str] = Counter()  # requests by method (HEAD, GET, ...)
         self.paths: list[tuple[str, str]] = []  # (method, object path) of every request, in order
+        self.unconditional: list[tuple[str, str]] = []  # the same, of the requests without If-Match
         self.most_in_flight = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -100,6 +103,7 @@ class S3Proxy:
             self.ranged_gets = self.bytes_sent = self.gets = self.get_bytes = self.most_in_flight = 0
             self.requests.clear()
             self.paths.clear()
+            self.unconditional.clear()
             self.puts.clear()
             self.methods.clear()
 
@@ -139,6 +143,8 @@ class S3Proxy:
                 with proxy._lock:
                     proxy.methods[self.command] += 1
                     proxy.paths.append((self.command, self.path.split("?")[0]))
+                    if "If-Match" not in self.headers:
+                        proxy.unconditional.append(proxy.paths[-1])
                     if self.command == "PUT":
                         proxy.puts.append(self.path.split("?")[0])
                     if ranged:
