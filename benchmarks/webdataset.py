@@ -83,7 +83,7 @@ def shuffle_quality(data: dict[str, Any], batch: int, size: int, batches: int) -
     dm.train_dataloader()
     rows = dm._train.dataset
     _, samples = dm.plan.locate(np.arange(batches * batch))
-    shard_of = rows.shard_ids[dm._train.split.rows(samples)].reshape(batches, batch)
+    shard_of = rows.shards.shard_of(dm._train.split.rows(samples)).reshape(batches, batch)
     theirs = webdataset_loader(data["shards"], 2, batch, 16)
     counts = []
     for _, (_, _, urls) in zip(range(batches), theirs, strict=False):

@@ -74,7 +74,7 @@ def read_ranges_in_place() -> None:
 
 
 def _control(proxies: dict[int, S3Proxy]) -> http.server.ThreadingHTTPServer:
-    """``GET /counts``: ``{delay_ms: {gets, get_bytes, ranged_gets, bytes_sent, most_in_flight}}``, what
+    """``GET /counts``: ``{delay_ms: {gets, get_bytes, ranged_gets, bytes_sent, most_in_flight, methods}}``, what
     each proxy counted since it started or was last reset; ``POST /reset``: every proxy's counts to zero."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -83,7 +83,9 @@ def _control(proxies: dict[int, S3Proxy]) -> http.server.ThreadingHTTPServer:
 
         def do_GET(self) -> None:
             fields = ("gets", "get_bytes", "ranged_gets", "bytes_sent", "most_in_flight")
-            self._answer({ms: {f: getattr(p, f) for f in fields} for ms, p in proxies.items()})
+            self._answer(
+                {ms: {f: getattr(p, f) for f in fields} | {"methods": dict(p.methods)} for ms, p in proxies.items()}
+            )
 
         def do_POST(self) -> None:
             for proxy in proxies.values():
