@@ -310,19 +310,29 @@ def _read_layout(directory: Path, files: Files, file_pattern: str | None) -> Sha
     return _npy_layout(directory, files, file_pattern)
 
 
+def _listing(directory: Path, reader: RangeReader | None) -> Files:
+    """Every file under ``directory`` and its version (``folder_versions``); a folder that does not
+    exist (in a bucket: one with nothing under it) is refused."""
+    missing = FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
+    if reader is None:
+        if not directory.is_dir():
+            raise missing
+        return folder_versions(directory)
+    try:
+        files = folder_versions(directory, reader)
+    except FileNotFoundError:  # no such bucket
+        raise missing from None
+    if not files:
+        raise missing
+    return files
+
+
 def describe_folder(
     directory: Path, reader: RangeReader | None, file_pattern: str | None, cache: DescriptionCache | None
 ) -> dict[str, np.ndarray]:
     """What describes the shards of ``directory`` (``shard_description``'s arrays), from one listing of
     it: from ``cache`` where it holds that listing's description, else read (and then cached)."""
-    if reader is None and not directory.is_dir():
-        raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
-    try:
-        files = folder_versions(directory, reader)
-    except FileNotFoundError:  # a bucket that does not exist
-        files = {}
-    if not files and reader is not None:
-        raise FileNotFoundError(f"token shard directory {str(directory)!r} does not exist")
+    files = _listing(directory, reader)
     key = DescriptionCache.key(files, file_pattern)
     arrays = cache.read(directory, file_pattern, key) if cache else None
     if arrays is None:
