@@ -306,7 +306,7 @@ def test_webdataset_shards_in_a_bucket_are_indexed_by_their_headers_and_read_fro
             return ImageTextDataModule("webdataset", data_files=url_pattern, **common, **options, **more)
 
         dm = remote()
-        dm.prepare_data()  # the index: ranged reads of the headers only
+        dm.setup("fit")  # the index (built at setup, where a job's ranks share it): ranged reads of the headers only
         assert 0 < proxy.bytes_sent < shard_bytes / 4, (proxy.bytes_sent, shard_bytes)
         proxy.reset_counts()
         same_batches(want, epochs(dm))  # the index read from the cache: no header read again

@@ -81,6 +81,11 @@ class Job:
         return int(getattr(self.trainer, "world_size", 1)) if self.distributed else 1
 
     @property
+    def nodes(self) -> int:
+        """Machines in the job: what one node writes to its node-local folders, the others do not see."""
+        return int(getattr(self.trainer, "num_nodes", 1)) if self.distributed else 1
+
+    @property
     def local_rank(self) -> int:
         """Rank inside this node: rank 0 of a node writes its node-local files."""
         return int(getattr(self.trainer, "local_rank", 0)) if self.distributed else 0

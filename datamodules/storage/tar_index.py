@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 import fsspec
 import numpy as np
 
-from datamodules.storage.locations import is_url, process_filesystem
+from datamodules.plan.parallelism import Job, pack_arrays, unpack_arrays
+from datamodules.storage.locations import default_cache_dir, is_url, process_filesystem
 from datamodules.storage.range_reader import RangeReader, local_version
 from datamodules.storage.sample_table import IndexedShards, TarIndex, assemble_table, decompressed_copy, table_name
 from datamodules.storage.tar_members import TarWalk, headers_digest, is_tar_end, samples_of
@@ -46,7 +47,7 @@ _FIRST_READ, _MOST_READ = 8 << 10, 1 << 20
 
 def default_index_cache() -> str:
     """``$XDG_CACHE_HOME/datamodules/tar_index`` (``~/.cache`` when unset)."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "datamodules", "tar_index")
+    return default_cache_dir("tar_index")
 
 
 def compression_of(head: bytes) -> str | None:
@@ -115,27 +116,75 @@ def index_tar(fileobj: object, size: int, name: str) -> TarIndex:
     )
 
 
+def described_shards(
+    shards: str | list[str], storage_options: dict[str, Any] | None = None, io_threads: int = 16, job: Job | None = None
+) -> tuple[list[str], list[tuple[int, str | None]]]:
+    """The tar shards ``shards`` names (``shard_locations``) and each one's (size, ETag or mtime): listed
+    and looked up by the job's rank 0 alone, sent to every rank as compact arrays, so a job's requests
+    for them do not grow with its ranks."""
+
+    def describe() -> dict[str, np.ndarray]:
+        locations = shard_locations(shards, storage_options)
+        _, versions = reader_and_versions(locations, storage_options, io_threads)
+        return {
+            "locations": np.array([location.encode("utf-8", "surrogateescape") for location in locations]),
+            "sizes": np.array([size for size, _ in versions], dtype=np.int64),
+            "tags": np.array([(tag or "").encode("utf-8", "surrogateescape") for _, tag in versions]),
+            "tagged": np.array([tag is not None for _, tag in versions]),
+        }
+
+    found = (job or Job()).arrays_from_rank_zero(describe)
+    decode = lambda values: [value.decode("utf-8", "surrogateescape") for value in values.tolist()]  # noqa: E731
+    tags = [
+        tag if tagged else None for tag, tagged in zip(decode(found["tags"]), found["tagged"].tolist(), strict=True)
+    ]
+    return decode(found["locations"]), list(zip(found["sizes"].tolist(), tags, strict=True))
+
+
 def index_shards(
     locations: list[str],
     cache_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
     io_threads: int = 16,
     allow_compressed: bool = False,
+    versions: list[tuple[int, str | None]] | None = None,
+    job: Job | None = None,
 ) -> IndexedShards:
     """The shards' samples, as a node table in ``cache_dir`` (``assemble_table``): kept there for the
-    shards' locations, sizes and versions, else assembled from each shard's index file, itself kept
-    there or built (``build_shard_indexes``). All shards are local paths or all are URLs of one
-    filesystem. A compressed shard is refused, or with ``allow_compressed`` decompressed once into
-    ``cache_dir`` (read whole), its copy indexed and read in its place. A truncated shard is logged."""
-    reader, versions = _versions(locations, storage_options, io_threads)
+    shards' locations, sizes and versions (``versions`` where known, else looked up), else assembled
+    from each shard's index file, itself kept there or built (``build_shard_indexes``). All shards are
+    local paths or all are URLs of one filesystem. A compressed shard is refused, or with
+    ``allow_compressed`` decompressed once into ``cache_dir`` (read whole), its copy indexed and read in
+    its place. A truncated shard is logged.
+
+    In a ``job`` of several processes (a collective: every rank calls it), the indexes that some node
+    lacks are built once for the job, dealt among all its ranks (each shard by one rank), and sent
+    to the other nodes; rank 0 of each node then assembles its table and every rank maps it."""
+    job = job or Job()
+    reader, versions = reader_and_versions(locations, storage_options, io_threads, versions)
     folder = Path(cache_dir or default_index_cache())
     folder.mkdir(parents=True, exist_ok=True)
     table = folder / table_name(locations, versions, INDEX_FORMAT)
-    shards, read = _kept_table(table), 0
-    if shards is None or _copy_removed(shards):
-        paths, read = build_shard_indexes(locations, versions, folder, reader, io_threads, allow_compressed)
-        if shards is None:
+    kept = _kept_table(table)
+    needed = kept is None or _copy_removed(kept)
+    paths = [index_file(folder, location, version) for location, version in zip(locations, versions, strict=True)]
+    todo = _missing_in_job([needed and not kept_index(path) for path in paths], job)
+    mine = todo[job.rank :: job.size]
+    _, read = build_shard_indexes(
+        [locations[i] for i in mine], [versions[i] for i in mine], folder, reader, io_threads, allow_compressed
+    )
+    if todo:
+        log.info("indexed %d of the %d tar shards the job lacked here (rank %d of %d)", len(mine), len(todo),
+                 job.rank, job.size)  # fmt: skip
+    if todo and job.nodes > 1:
+        _send_to_every_node(paths, mine, job)
+    job.barrier("tar shard indexes built")
+    if needed and job.local_rank == 0:
+        if job.nodes > 1:  # a compressed shard indexed on another node: this node decompresses its own copy
+            read += build_shard_indexes(locations, versions, folder, reader, io_threads, allow_compressed)[1]
+        if kept is None:
             assemble_table(table, locations, versions, paths)
+    job.barrier("tar shard table assembled")
     shards = IndexedShards(table, reader, read)
     for location, lost, members in zip(shards.locations, shards.lost_bytes, shards.members, strict=True):
         if lost:
@@ -144,6 +193,26 @@ def index_shards(
                 location, lost, members,
             )  # fmt: skip
     return shards
+
+
+def _missing_in_job(missing: list[bool], job: Job) -> list[int]:
+    """The shards whose index any node of the job lacks (each rank says what its node lacks)."""
+    masks = job.all_gather(np.packbits(np.array(missing, dtype=bool)).tobytes())
+    union = np.bitwise_or.reduce([np.frombuffer(mask, dtype=np.uint8) for mask in masks])
+    return np.flatnonzero(np.unpackbits(union, count=len(missing))).tolist()
+
+
+def _send_to_every_node(paths: list[Path], mine: list[int], job: Job) -> None:
+    """Every rank's newly built index files, gathered by all; rank 0 of each node keeps those its node
+    lacks (a node-local cache does not see what another node wrote)."""
+    built = {str(i): np.frombuffer(paths[i].read_bytes(), dtype=np.uint8) for i in mine}
+    for blob in job.all_gather(pack_arrays(built)):
+        for name, data in unpack_arrays(blob).items():
+            path = paths[int(name)]
+            if job.local_rank == 0 and not path.exists():
+                partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+                partial.write_bytes(data.tobytes())
+                os.replace(partial, path)
 
 
 def build_shard_indexes(
@@ -156,9 +225,10 @@ def build_shard_indexes(
 ) -> tuple[list[Path], int]:
     """The index file in ``folder`` of each shard (of ``versions``; a remote one read through
     ``reader``), and the bytes read to build them: an index kept there is used, others are built by
-    walking the shards' headers, ``io_threads`` shards at once with a progress bar."""
-    paths = [folder / _index_name(location, version) for location, version in zip(locations, versions, strict=True)]
-    todo = [i for i, path in enumerate(paths) if not _kept_index(path)]
+    walking the shards' headers, ``io_threads`` shards at once with a progress bar. Each index is
+    written as soon as it is built: a build stopped half way keeps what it finished."""
+    paths = [index_file(folder, location, version) for location, version in zip(locations, versions, strict=True)]
+    todo = [i for i, path in enumerate(paths) if not kept_index(path)]
     read = 0
     if todo:
         from tqdm.auto import tqdm
@@ -179,10 +249,14 @@ def build_shard_indexes(
     return paths, read
 
 
-def _versions(
-    locations: list[str], storage_options: dict[str, Any] | None, io_threads: int
+def reader_and_versions(
+    locations: list[str],
+    storage_options: dict[str, Any] | None,
+    io_threads: int,
+    versions: list[tuple[int, str | None]] | None = None,
 ) -> tuple[RangeReader | None, list[tuple[int, str | None]]]:
-    """The reader of remote shards (none for local ones) and each shard's (size, ETag or mtime)."""
+    """The reader of remote shards (none for local ones) and each shard's (size, ETag or mtime):
+    ``versions`` where given (the reader records them, no request), else looked up."""
     remote = [is_url(location) for location in locations]
     if any(remote) and not all(remote):
         raise ValueError(
@@ -190,10 +264,10 @@ def _versions(
             f"{locations[remote.index(True)]!r}"
         )
     if not remote or not remote[0]:
-        return None, [_local_version(location) for location in locations]
+        return None, versions or [_local_version(location) for location in locations]
     reader = RangeReader(f"{urlparse(locations[0]).scheme}://", storage_options, io_threads)
     try:
-        reader.expect(locations)
+        reader.expect(locations, versions)
     except FileNotFoundError as err:
         raise ValueError(f"a tar shard does not exist: {err}") from None
     return reader, [reader.expected[location] for location in locations]
@@ -212,7 +286,7 @@ def _copy_removed(shards: IndexedShards) -> bool:
     return not all(map(os.path.exists, copies))
 
 
-def _kept_index(path: Path) -> bool:
+def kept_index(path: Path) -> bool:
     """Whether ``path`` holds a whole index (and its decompressed copy, for a compressed shard)."""
     try:
         about = TarIndex.about(path)
@@ -228,10 +302,11 @@ def _local_version(location: str) -> tuple[int, str | None]:
         raise ValueError(f"tar shard {location} does not exist") from None
 
 
-def _index_name(location: str, version: tuple[int, str | None]) -> str:
+def index_file(folder: Path, location: str, version: tuple[int, str | None]) -> Path:
+    """Where ``folder`` keeps the index of the shard at ``location`` of ``version``."""
     absolute = location if is_url(location) else os.path.abspath(location)
     key = hashlib.sha256(repr((INDEX_FORMAT, absolute, version)).encode()).hexdigest()[:32]
-    return f"{Path(urlparse(location).path).stem}-{key}.npz"
+    return folder / f"{Path(urlparse(location).path).stem}-{key}.npz"
 
 
 def _walk(location: str, size: int, reader: RangeReader | None, copy: Path | None) -> tuple[TarIndex, int]:

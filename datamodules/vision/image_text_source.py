@@ -153,33 +153,33 @@ class ImageTextSource(SourceSpec):
             if clash:
                 raise ValueError(f"{clash} cannot be combined with processor {self.processor!r}, which sets them")
 
-    def _shards(self, split: str) -> IndexedShards:
-        """The tar shards of ``split``, indexed (``path="webdataset"``)."""
+    def _shards(self, split: str, job: Job | None) -> IndexedShards:
+        """The tar shards of ``split``, indexed once for the job (``path="webdataset"``)."""
         cache, compressed = self.load_kwargs.get("cache_dir"), self.load_kwargs.get("allow_compressed_tar", False)
-        return indexed_shards(split_shards(self.data_files, split), cache, self.storage_options, compressed)
+        return indexed_shards(split_shards(self.data_files, split), cache, self.storage_options, compressed, job)
 
-    def _load(self, split: str) -> Any:
+    def _load(self, split: str, job: Job | None = None) -> Any:
         if self.path == WEBDATASET:
             fields = {self.image_field: self.image_field, self.text_field: self.text_field}
             if self.prompt_field is not None:
                 fields[self.prompt_field] = self.prompt_field
-            return WebDatasetRows(self._shards(split), fields, (self.image_field,))
+            return WebDatasetRows(self._shards(split, job), fields, (self.image_field,))
         return load_split(
             self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
         )
 
     def prepare(self) -> None:
-        # Once per node: datasets' Arrow cache, or the tar shards' index (not their rows), which every
-        # rank then reads.
-        if self.path == WEBDATASET or not is_saved_dataset(self.path, self.storage_options):
+        # Once per node: datasets' Arrow cache, which every rank then reads. Tar shards are indexed in
+        # ``build`` instead, where the job's ranks share the work.
+        if self.path != WEBDATASET and not is_saved_dataset(self.path, self.storage_options):
             for split in (self.split, self.val_split, self.test_split):
                 if split is not None:
-                    self._shards(split) if self.path == WEBDATASET else self._load(split)
+                    self._load(split)
 
-    def _dataset(self, split: str) -> Any:
+    def _dataset(self, split: str, job: Job | None) -> Any:
         import datasets
 
-        dataset = self._load(split)
+        dataset = self._load(split, job)
         if self.path == WEBDATASET:
             if len(dataset) == 0:
                 raise ValueError(f"the tar shards of split {split!r} hold no sample")
@@ -250,11 +250,11 @@ class ImageTextSource(SourceSpec):
                 dataset, split, fields, pixels, labels, self.on_bad_sample, where, details, self.files
             )
 
-        train = self._dataset(self.split)
+        train = self._dataset(self.split, job)
         held = {}
         for role, split in (("validation", self.val_split), ("test", self.test_split)):
             if split is not None:
-                dataset = self._dataset(split)
+                dataset = self._dataset(split, job)
                 held[role] = samples(dataset, RowSplit(len(dataset)), split)
         fractions = {"validation": self.val_fraction, "test": self.test_fraction}
         rows, tails = held_out_rows(len(train), fractions, "rows")

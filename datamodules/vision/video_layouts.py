@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
+from datamodules.plan.parallelism import Job
 from datamodules.storage.locations import is_url, join_location, storage_path
 from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
@@ -105,7 +106,9 @@ class VideoLayout(ABC):
         cache, which every rank then maps."""
         self.load(manifest, train_manifest)
 
-    def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
+    def load(self, manifest: str | list[str], train_manifest: Any = None, job: Job | None = None) -> Any:
+        """The manifest's rows, checked (``job``: the job's processes, for a layout that reads what
+        describes its data once per job)."""
         dataset = self.rows(manifest, train_manifest)
         if len(dataset) == 0:
             raise ValueError(f"video manifest {manifest} ({self.name} layout) has no rows")
@@ -270,18 +273,18 @@ class WebDatasetLayout(VideoLayout):
         self.index_cache_dir = index_cache_dir
         self.allow_compressed_tar = allow_compressed_tar
 
-    def _shards(self, manifest: str | list[str]) -> IndexedShards:
+    def _shards(self, manifest: str | list[str], job: Job | None) -> IndexedShards:
         shards = [join_location(self.data_root, m) for m in ([manifest] if isinstance(manifest, str) else manifest)]
-        return indexed_shards(shards, self.index_cache_dir, self.storage_options, self.allow_compressed_tar)
+        return indexed_shards(shards, self.index_cache_dir, self.storage_options, self.allow_compressed_tar, job)
 
     def prepare(self, manifest: str | list[str], train_manifest: Any = None) -> None:
-        self._shards(manifest)  # the index, not the rows
+        pass  # the shards are indexed in ``load``, where the job's ranks share the work
 
-    def rows(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
-        return WebDatasetRows(self._shards(manifest), self.fields, ("video",))
+    def rows(self, manifest: str | list[str], train_manifest: Any = None, job: Job | None = None) -> Any:
+        return WebDatasetRows(self._shards(manifest, job), self.fields, ("video",))
 
-    def load(self, manifest: str | list[str], train_manifest: Any = None) -> Any:
-        rows = self.rows(manifest, train_manifest)  # the members lie inside the shards: no path to check
+    def load(self, manifest: str | list[str], train_manifest: Any = None, job: Job | None = None) -> Any:
+        rows = self.rows(manifest, train_manifest, job)  # the members lie inside the shards: no path to check
         if len(rows) == 0:
             raise ValueError(f"the tar shards {manifest} hold no sample")
         return rows

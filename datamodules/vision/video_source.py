@@ -149,11 +149,11 @@ class VideoSource(SourceSpec):
                 where, details, self.files, self.frame_accuracy,
             )  # fmt: skip
 
-        train = self.layout.load(self.manifest)
+        train = self.layout.load(self.manifest, job=job)
         held = {}
         for role, manifest in (("validation", self.val_manifest), ("test", self.test_manifest)):
             if manifest is not None:
-                dataset = self.layout.load(manifest, self.manifest)
+                dataset = self.layout.load(manifest, self.manifest, job)
                 held[role] = samples(dataset, RowSplit(len(dataset)), role)
         fractions = {"validation": self.val_fraction, "test": self.test_fraction}
         rows, tails = held_out_rows(len(train), fractions, "clips")

@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 
 from datamodules.plan.bad_samples import BadSample
+from datamodules.plan.parallelism import Job
 from datamodules.storage.locations import is_url
 from datamodules.storage.range_reader import ChangedDuringRun, changed_message, read_range, read_unchanged
 from datamodules.storage.sample_table import IndexedShards
-from datamodules.storage.tar_index import index_shards, shard_locations
+from datamodules.storage.tar_index import described_shards, index_shards
 from datamodules.storage.tar_members import Member, TarWalk, headers_digest, key_and_field
 
 log = logging.getLogger(__name__)
@@ -212,9 +213,15 @@ def split_shards(data_files: str | list[str] | dict[str, Any] | None, split: str
 
 
 def indexed_shards(
-    shards: str | list[str], cache_dir: str | None, storage_options: dict[str, Any] | None, allow_compressed: bool
+    shards: str | list[str],
+    cache_dir: str | None,
+    storage_options: dict[str, Any] | None,
+    allow_compressed: bool,
+    job: Job | None = None,
 ) -> IndexedShards:
-    """The shards ``shards`` names, indexed (or their indexes read from ``cache_dir``): what
-    ``prepare_data`` builds once per node, without the rows."""
-    locations = shard_locations(shards, storage_options)
-    return index_shards(locations, cache_dir, storage_options, allow_compressed=allow_compressed)
+    """The shards ``shards`` names, indexed (or their indexes read from ``cache_dir``), without the
+    rows: listed by the job's rank 0, indexed once for the job (``index_shards``)."""
+    locations, versions = described_shards(shards, storage_options, job=job)
+    return index_shards(
+        locations, cache_dir, storage_options, allow_compressed=allow_compressed, versions=versions, job=job
+    )

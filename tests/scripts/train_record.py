@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
-    parser.add_argument("--cache-dir", help="HFTextDataModule cache_dir; {node} is replaced by NODE_RANK")
+    parser.add_argument("--cache-dir", help="HF text or tar index cache_dir; {node} is replaced by NODE_RANK")
     parser.add_argument("--prepare-once", action="store_true", help="prepare_data_per_node=False")
     parser.add_argument("--phases", help="JSON list of PhaseScheduler phases")
     parser.add_argument("--seq-len", type=int, required=True)
@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
 
     loading = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed, "num_workers": args.workers}
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("datamodules.storage.tar_index").setLevel(logging.INFO)  # which rank indexed what
     tokenized = TokenizationCounter()
     logging.getLogger("datamodules.text.prepare").addHandler(tokenized)
     logging.getLogger("datamodules.text.prepare").setLevel(logging.INFO)
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             data_files=args.webdataset,
             image_field="jpg;png",
             text_field="txt",
-            load_kwargs={"cache_dir": args.cache_dir},
+            load_kwargs={"cache_dir": args.cache_dir.replace("{node}", os.environ.get("NODE_RANK", "0"))},
             on_bad_sample=args.on_bad_sample,
             val_fraction=args.val_fraction,
             **loading,

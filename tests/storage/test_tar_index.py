@@ -9,14 +9,15 @@ import json
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
-from datamodules.storage.sample_table import IndexedShards
+from datamodules.storage.sample_table import IndexedShards, TarIndex
 from datamodules.storage.tar_index import index_shards
 from datamodules.storage.tar_members import TarWalk
-from tests.storage.tar_data import tar_of
+from tests.storage.tar_data import tar_of, tiny_shards
 from tests.vision.image_data import caption
 
 ROOT = Path(__file__).parents[2]
@@ -122,3 +123,47 @@ def test_processes_indexing_the_same_shards_at_once_share_one_table(tmp_path: Pa
     kept = sorted(path.name.split("-")[0] for path in (tmp_path / "idx").iterdir())
     assert kept == ["s0", "s1", "s2", "s3", "samples"]  # an index a shard and one table; no partial file left
     assert keys(index_shards(shards, str(tmp_path / "idx")))[:2] == ["0-0", "0-1"]
+
+
+def index_files(folder: Path) -> dict[str, dict[str, object]]:
+    """Each index file in ``folder`` by name: its arrays' bytes and its numbers."""
+    found = {}
+    for path in sorted(folder.glob("*.npz")):
+        index = TarIndex.load(path)
+        found[path.name] = {name: getattr(index, name) for name in ("end", "members", "fingerprint", "lost_bytes")}
+        found[path.name].update({name: getattr(index, name).tobytes() for name in ("starts", "digests", "keys")})
+    return found
+
+
+def test_an_offline_build_killed_half_way_indexes_only_the_rest_when_started_again(tmp_path: Path) -> None:
+    shards = tiny_shards(tmp_path / "shards", 16, 6_000)  # tens of ms a shard: the kill lands half way
+    pattern = str(tmp_path / "shards" / "shard-{00000..00015}.tar")
+    command = [sys.executable, "-m", "datamodules.storage.index", pattern, "--cache-dir", str(tmp_path / "idx")]
+    build = subprocess.Popen([*command, "--io-threads", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while len(list((tmp_path / "idx").glob("*.npz"))) < 4 and build.poll() is None:
+        time.sleep(0.005)
+    build.kill()
+    build.wait()
+    done = len(list((tmp_path / "idx").glob("*.npz")))
+    assert 4 <= done < len(shards), "the build was not stopped half way"
+    assert not list((tmp_path / "idx").glob(".*")), "a partial index file was left behind"
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert f"indexed {len(shards) - done} tar shards ({done} kept from before); the table: assembled" in again.stdout
+    # What the two runs left is what one uninterrupted run writes, and the DataModule's setup maps it.
+    subprocess.run([*command[:3], pattern, "--cache-dir", str(tmp_path / "whole")], cwd=ROOT, check=True)
+    assert index_files(tmp_path / "idx") == index_files(tmp_path / "whole")
+    table = index_shards([str(shard) for shard in shards], str(tmp_path / "idx"))
+    assert len(table) == 16 * 6_000 and table.bytes_read == 0  # nothing indexed again
+    assert keys(table)[6_000] == f"{6_000:07d}"
+
+
+def test_the_offline_build_splits_into_parts_and_the_last_part_assembles_the_table(tmp_path: Path) -> None:
+    tiny_shards(tmp_path / "shards", 5, 10)
+    command = [sys.executable, "-m", "datamodules.storage.index", str(tmp_path / "shards"), "--num-parts", "2"]
+    command += ["--cache-dir", str(tmp_path / "idx")]
+    first = subprocess.run([*command, "--part-index", "1"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "indexed 2 tar shards (0 kept from before); the table: waiting for 3 shards of other parts" in first.stdout
+    last = subprocess.run([*command, "--part-index", "0"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "indexed 3 tar shards (0 kept from before); the table: assembled" in last.stdout
+    wrong = subprocess.run([*command, "--part-index", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert wrong.returncode == 2 and wrong.stderr.strip().endswith("--part-index must be in [0, 2), got 2")
