@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,3 +18,20 @@ def endpoint() -> Iterator[str]:
 
     with s3_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The node caches our sources keep (token shard layouts, tar indexes) in a folder of the session,
+    not the user's ``~/.cache``; subprocesses inherit it. HuggingFace's cache stays where it was."""
+    saved = {name: os.environ.get(name) for name in ("XDG_CACHE_HOME", "HF_HOME")}
+    os.environ.setdefault(
+        "HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    )
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("node-cache"))
+    yield Path(os.environ["XDG_CACHE_HOME"])
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
