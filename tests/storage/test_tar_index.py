@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import tiny_shards
 from datamodules.storage.sample_table import IndexedShards, TarIndex
 from datamodules.storage.tar_index import index_shards
 from datamodules.storage.tar_members import TarWalk
-from tests.storage.tar_data import tar_of, tiny_shards
+from tests.storage.tar_data import tar_of
 from tests.vision.image_data import caption
 
 ROOT = Path(__file__).parents[2]

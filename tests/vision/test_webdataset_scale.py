@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import tiny_caption, tiny_shards
 from datamodules.storage.tar_index import index_shards
 from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
-from tests.storage.tar_data import tiny_caption, tiny_shards
 
 SAMPLES, SHARDS = 1_000_000, 100
 FIELDS = {"txt": "txt"}
