@@ -112,6 +112,23 @@ class Job:
             return make()
         return unpack_arrays(self(lambda: pack_arrays(make())))
 
+    def everywhere(self, make: Callable[[], T]) -> T:
+        """``make()`` on every rank, each its own share of a collective piece of work; where it raises on
+        any rank, every rank raises (its own error, or the first rank's that failed), so that no rank
+        waits in a later collective for one that stopped."""
+        try:
+            value, error = make(), None
+        except Exception as err:
+            if not self.distributed:
+                raise
+            value, error = None, err
+        failed = [e for e in self.all_gather(None if error is None else _sendable(error)) if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise failed[0]
+        return value  # type: ignore[return-value]
+
     def all_gather(self, value: T) -> list[T]:
         """Every rank's ``value``, in rank order (small values: a blob of arrays, a flag)."""
         if not self.distributed:

@@ -170,22 +170,28 @@ def index_shards(
     paths = [index_file(folder, location, version) for location, version in zip(locations, versions, strict=True)]
     todo = _missing_in_job([needed and not kept_index(path) for path in paths], job)
     mine = todo[job.rank :: job.size]
-    _, read = build_shard_indexes(
-        [locations[i] for i in mine], [versions[i] for i in mine], folder, reader, io_threads, allow_compressed
+    _, read = job.everywhere(  # a shard refused on one rank stops every rank, none left at the barrier
+        lambda: build_shard_indexes(
+            [locations[i] for i in mine], [versions[i] for i in mine], folder, reader, io_threads, allow_compressed
+        )
     )
     if todo:
         log.info("indexed %d of the %d tar shards the job lacked here (rank %d of %d)", len(mine), len(todo),
                  job.rank, job.size)  # fmt: skip
     if todo and job.nodes > 1:
         _send_to_every_node(paths, mine, job)
-    job.barrier("tar shard indexes built")
-    if needed and job.local_rank == 0:
-        if job.nodes > 1:  # a compressed shard indexed on another node: this node decompresses its own copy
-            read += build_shard_indexes(locations, versions, folder, reader, io_threads, allow_compressed)[1]
-        if kept is None:
-            assemble_table(table, locations, versions, paths)
-    job.barrier("tar shard table assembled")
-    shards = IndexedShards(table, reader, read)
+
+    def node_table() -> int:
+        """Rank 0 of each node assembles its table (the others wait in ``everywhere``'s gather)."""
+        spent = 0
+        if needed and job.local_rank == 0:
+            if job.nodes > 1:  # a compressed shard indexed on another node: this node decompresses its copy
+                spent = build_shard_indexes(locations, versions, folder, reader, io_threads, allow_compressed)[1]
+            if kept is None:
+                assemble_table(table, locations, versions, paths)
+        return spent
+
+    shards = IndexedShards(table, reader, read + job.everywhere(node_table))
     for location, lost, members in zip(shards.locations, shards.lost_bytes, shards.members, strict=True):
         if lost:
             log.warning(

@@ -3,6 +3,7 @@ on 2 ranks x 2 workers, held-out samples evaluated once, and the 2-rank run resu
 
 from __future__ import annotations
 
+import gzip
 from collections import Counter
 from pathlib import Path
 
@@ -103,3 +104,20 @@ def test_two_nodes_with_caches_of_their_own_index_each_shard_once_and_both_hold_
     source_rows(data, tmp_path, 0.0)  # one process's index files, in tmp_path / "index"
     assert index_files(tmp_path / "node0") == index_files(tmp_path / "node1") == index_files(tmp_path / "index")
     assert len(run.rows(0)) == len(run.rows(1)) == 2 * BATCH
+
+
+def test_a_shard_refused_while_two_ranks_index_stops_both_ranks_naming_it(
+    data: tuple[str, str], tmp_path: Path
+) -> None:
+    pattern, tokenizer = data
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for shard in sorted(Path(pattern).parent.glob("*.tar")):
+        (shards / shard.name).write_bytes(shard.read_bytes())
+    middle = shards / "shard-000001.tar"  # dealt to rank 1: rank 0 indexes shards 0 and 2 fine
+    middle.write_bytes(gzip.compress(middle.read_bytes()))
+    args = ["--webdataset", str(shards / Path(pattern).name), "--tokenizer", tokenizer, "--seq-len", str(TEXT_LEN)]
+    args += ["--batch-size", str(BATCH), "--devices", "2", "--strategy", "ddp", "--max-steps", "2"]
+    run = train_record([*args, "--cache-dir", str(tmp_path / "index")], tmp_path / "run", failing_ranks=2)
+    for rank in (0, 1):
+        assert f"{middle} is a gzip-compressed tar" in run.error(rank)
