@@ -47,12 +47,12 @@ class RankZeroFailed:
     error: Exception
 
 
-def _sendable(err: Exception) -> Exception:
-    """``err``, or where it does not survive pickling, a ``RuntimeError`` with its type and message."""
+def _sendable(err: Exception, rank: int) -> Exception:
+    """``err``, or where it does not survive pickling, a ``RuntimeError`` with ``rank``, its type and message."""
     try:
         pickle.loads(pickle.dumps(err))
     except Exception:  # noqa: BLE001 (any failure to pickle: sent as text)
-        return RuntimeError(f"on rank 0: {type(err).__name__}: {err}")
+        return RuntimeError(f"on rank {rank}: {type(err).__name__}: {err}")
     return err
 
 
@@ -102,7 +102,7 @@ class Job:
             value = make()
         except Exception as err:
             # The other ranks wait for the value: they are sent the error, and every rank stops with it.
-            self.trainer.strategy.broadcast(RankZeroFailed(_sendable(err)), src=0)
+            self.trainer.strategy.broadcast(RankZeroFailed(_sendable(err, 0)), src=0)
             raise
         return self.trainer.strategy.broadcast(value, src=0)
 
@@ -122,7 +122,7 @@ class Job:
             if not self.distributed:
                 raise
             value, error = None, err
-        failed = [e for e in self.all_gather(None if error is None else _sendable(error)) if e is not None]
+        failed = [e for e in self.all_gather(None if error is None else _sendable(error, self.rank)) if e is not None]
         if error is not None:
             raise error
         if failed:
@@ -138,7 +138,3 @@ class Job:
         gathered: list[Any] = [None] * self.size
         dist.all_gather_object(gathered, value)
         return gathered
-
-    def barrier(self, name: str) -> None:
-        if self.distributed:
-            self.trainer.strategy.barrier(name)
