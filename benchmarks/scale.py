@@ -143,6 +143,9 @@ def rank_main(job: dict[str, Any]) -> None:
     )
     trainer.fit(Step(), datamodule=datamodule)
     Path(job["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(measured))
+    if torch.distributed.is_initialized():
+        # Left to the interpreter's exit, gloo's threads sometimes abort the process ("terminate called").
+        torch.distributed.destroy_process_group()
 
 
 def run_job(job: dict[str, Any], cache: Path) -> list[dict[str, Any]]:
