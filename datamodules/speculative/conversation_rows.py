@@ -14,7 +14,8 @@ import pyarrow.compute as pc
 import torch
 
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.speculative.multipack import OverLong, PackedRows
+from datamodules.speculative.multipack import NODE_KIND, OverLong, PackedRows
+from datamodules.storage.node_arrays import is_mapped, node_arrays
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def checked_rows(dataset: Any, where: str) -> Any:
     missing = [c for c in COLUMNS if c not in dataset.column_names]
     if missing:
         raise ValueError(f"{where} has no column {missing}; it has {dataset.column_names}, needs {COLUMNS}")
-    seq_len = np.asarray(dataset.data.column("seq_len"), dtype=np.int64)
+    seq_len = column_values(dataset, "seq_len")
     for column in ("input_ids", "loss_mask"):
         lengths = column_lengths(dataset, column)
         wrong = np.flatnonzero(lengths != seq_len)
@@ -46,9 +47,9 @@ def checked_rows(dataset: Any, where: str) -> Any:
     return dataset
 
 
-def most_per_row(lengths: np.ndarray, total_seq_len: int) -> int:
-    """The most samples of these lengths one row of ``total_seq_len`` tokens can hold (the shortest ones)."""
-    return max(1, int(np.searchsorted(np.cumsum(np.sort(lengths)), total_seq_len, side="right")))
+def column_values(dataset: Any, column: str) -> np.ndarray:
+    """A numeric column of a ``datasets.Dataset`` as int64."""
+    return np.asarray(dataset.data.column(column), dtype=np.int64)
 
 
 class ConversationRows:
@@ -100,7 +101,7 @@ class ConversationRows:
         name: str = "train",
     ) -> None:
         self.dataset = dataset.with_format("arrow", columns=["input_ids", "loss_mask"])
-        self.rows = np.asarray(rows, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
         self.total_seq_len = total_seq_len
         self.train_on_prompt, self.attention_mask = train_on_prompt, attention_mask
         self.name = name
@@ -111,7 +112,12 @@ class ConversationRows:
             "length_quantum": length_quantum,
             "max_length": max_length,
         }
-        self.packed: PackedRows | None = self._pack()
+        # The rows, their lengths and every pass's packing are computed once on the node and mapped
+        # by each of its ranks and workers (``node_arrays``), under a name for the data and options.
+        identity = (dataset._fingerprint, hashlib.blake2b(rows.tobytes()).hexdigest(), sorted(self._packing.items()))
+        self.shared_as = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
+        self.rows: np.ndarray | None = rows
+        self.rows, self.packed = self._pack()
         if self.packed.truncated or self.packed.dropped:
             how = "truncated to" if self.packed.truncated else "left out, longer than"
             count = self.packed.truncated or self.packed.dropped
@@ -119,18 +125,33 @@ class ConversationRows:
                 "%s: %d of %d conversations %s %d tokens", name, count, len(self.rows), how, self.packed.max_length
             )
         self.num_rows = len(self.packed)
-        self.most_per_row = most_per_row(self.packed.lengths[self.packed.kept], total_seq_len)
-        identity = (dataset._fingerprint, self.rows.tobytes(), self.packed.fingerprint, train_on_prompt)
+        self.most_per_row = self.packed.most_per_row
+        identity = (dataset._fingerprint, rows.tobytes(), self.packed.fingerprint, train_on_prompt)
         self.fingerprint = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
         self.details = {"conversations": len(self.rows), "total_seq_len": total_seq_len}
 
-    def _pack(self) -> PackedRows:
-        lengths = np.asarray(self.dataset.data.column("seq_len"), dtype=np.int64)[self.rows]
-        return PackedRows(lengths, **self._packing)
+    def _pack(self) -> tuple[np.ndarray, PackedRows]:
+        """The dataset rows and their packing, mapped from the node's arrays."""
+        rows = self.rows
+
+        def make() -> dict[str, np.ndarray]:
+            if rows is None:
+                raise RuntimeError(f"{self.name}: the node's packed rows ({self.shared_as}) left its cache")
+            return {"rows": rows, "lengths": column_values(self.dataset, "seq_len")[rows]}
+
+        table = node_arrays(NODE_KIND, f"{self.shared_as}/rows", make)
+        return table["rows"], PackedRows(table["lengths"], **self._packing, shared_as=self.shared_as)
+
+    def mapped(self) -> PackedRows:
+        """The packing, mapped again in a worker (which receives none)."""
+        if self.packed is None:
+            self.rows, self.packed = self._pack()
+        return self.packed
 
     def __getstate__(self) -> dict[str, Any]:
-        # Workers re-pack from the memory-mapped ``seq_len`` column instead of receiving every length.
-        return {**self.__dict__, "packed": None}
+        # A worker maps the node's arrays itself instead of receiving every row and length (or, where
+        # the node's cache could not be written, receives the rows and computes the rest).
+        return {**self.__dict__, "rows": None if is_mapped(self.rows) else self.rows, "packed": None}
 
     def __len__(self) -> int:
         return self.num_rows
@@ -155,14 +176,13 @@ class ConversationRows:
     def packed_rows(self, indices: np.ndarray, passes: np.ndarray) -> tuple[list[list[int]], dict[int, Batch]]:
         """The dataset rows of each packed row ``indices[i]`` of pass ``passes[i]``, and their tokens
         (cut to ``max_length``)."""
-        if self.packed is None:
-            self.packed = self._pack()
+        packed = self.mapped()
         span = [
-            self.rows[self.packed.row(pass_, row)].tolist()
+            self.rows[packed.row(pass_, row)].tolist()
             for row, pass_ in zip(indices.tolist(), passes.tolist(), strict=True)
         ]
         tokens = self.conversations([row for conversations in span for row in conversations])
-        limit = self.packed.max_length
+        limit = packed.max_length
         return span, {row: {k: v[:limit] for k, v in ids.items()} for row, ids in tokens.items()}
 
     def fetch(self, indices: np.ndarray, passes: np.ndarray) -> Batch:

@@ -124,11 +124,10 @@ class HiddenStateRows(ConversationRows):
     def fetch_many(self, calls: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> list[dict[str, Any]]:
         """``fetch`` of several spans at once: their conversations' states are fetched together,
         ``fetch_threads`` at a time, so one slow fetch overlaps the others."""
-        if self.packed is None:
-            self.packed = self._pack()
+        packed = self.mapped()
         rows = [
             [
-                self.packed.row(pass_, row).tolist()
+                packed.row(pass_, row).tolist()
                 for row, pass_ in zip(indices.tolist(), extra["passes"].tolist(), strict=True)
             ]
             for indices, extra in calls

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -19,6 +20,8 @@ from torch.utils.data import DistributedSampler
 from datamodules.plan.arguments import require_int
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan
+from datamodules.storage.locations import default_cache_dir
+from datamodules.storage.node_arrays import drop_node_arrays, node_arrays
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ _OVER_LONG = ("truncate", "drop")
 # tokens (4 at 8,192), so samples within one quantum are interchangeable to the packer.
 _QUANTA_PER_ROW = 2048
 _STEPS_LOCATED_AT_ONCE = 1024
+NODE_KIND = "packed_rows-1"  # the node cache's folder for shared packings; its number: the arrays' format
 
 
 def order_by(small: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -135,6 +139,9 @@ class PackedRows:
             default ``total_seq_len // 2048``, at least 1.
         max_length: the longest sample kept whole (``over_long`` applies past it), at most
             ``total_seq_len`` (the default).
+        shared_as: a name for these lengths and options: the per-sample arrays and each pass's
+            packing are then computed once on the node and mapped by its processes
+            (``node_arrays``); ``None`` (the default): computed and held by this process.
     """
 
     def __init__(
@@ -146,6 +153,7 @@ class PackedRows:
         over_long: OverLong = "truncate",
         length_quantum: int | None = None,
         max_length: int | None = None,
+        shared_as: str | None = None,
     ) -> None:
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
         self.max_length = total_seq_len if max_length is None else require_int("max_length", max_length, 1)
@@ -157,27 +165,51 @@ class PackedRows:
         self.quantum = require_int("length_quantum", quantum, 1)
         if self.quantum > total_seq_len:
             raise ValueError(f"length_quantum={quantum} is larger than total_seq_len={total_seq_len}")
+        self.seed, self.shared_as = seed, shared_as
+        packing = (total_seq_len, self.quantum, over_long) + ((self.max_length,) if max_length is not None else ())
+        base = self._arrays("base", lambda: self._base(lengths, over_long, packing))
+        self.lengths, self.kept, self._units = base["lengths"], base["kept"], base["units"]
+        self.truncated, self.dropped = int(base["truncated"]), int(base["dropped"])
+        self.fingerprint = str(base["fingerprint"])
+        self.most_per_row = int(base["most_per_row"])  # samples a row can hold at most: the shortest ones
+        self._capacity = total_seq_len // self.quantum
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.num_rows = int(base["num_rows"])
+
+    def _base(self, lengths: np.ndarray, over_long: str, packing: tuple) -> dict[str, np.ndarray]:
+        """The per-sample arrays every pass packs from: lengths cut to ``max_length``, the samples kept,
+        their sizes in quanta; the counts cut and left out; the fingerprint of lengths and options."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or not len(lengths):
             raise ValueError(f"lengths must be a non-empty 1-D sequence, got shape {lengths.shape}")
         if lengths.min() < 1:
             bad = np.flatnonzero(lengths < 1)
             raise ValueError(f"{len(bad)} samples have no tokens (length < 1), the first at index {int(bad[0])}")
-        self.seed = seed
         long = lengths > self.max_length
-        self.truncated = int(long.sum()) if over_long == "truncate" else 0
-        self.dropped = int(long.sum()) if over_long == "drop" else 0
-        self.kept = np.flatnonzero(~long) if over_long == "drop" else np.arange(len(lengths))
-        if not len(self.kept):
+        kept = np.flatnonzero(~long) if over_long == "drop" else np.arange(len(lengths))
+        if not len(kept):
             raise ValueError(f"every sample is longer than {self.max_length} tokens: nothing left to pack")
-        self.lengths = np.minimum(lengths, self.max_length)
-        capacity = total_seq_len // self.quantum
-        self._units = np.minimum(-(-self.lengths[self.kept] // self.quantum), capacity)
-        self._capacity = capacity
-        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self.num_rows = len(self._pack(0)[1]) - 1
-        packing = (total_seq_len, self.quantum, over_long) + ((self.max_length,) if max_length is not None else ())
-        self.fingerprint = hashlib.blake2b(self.lengths.tobytes() + repr(packing).encode(), digest_size=16).hexdigest()
+        clipped = np.minimum(lengths, self.max_length)
+        total = self.total_seq_len
+        capacity = total // self.quantum
+        fingerprint = hashlib.blake2b(clipped.tobytes() + repr(packing).encode(), digest_size=16).hexdigest()
+        units = np.minimum(-(-clipped[kept] // self.quantum), capacity)
+        # Every pass packs into as many rows: the count depends on the sizes, not on the tie keys.
+        _, num_rows = best_fit_decreasing(units, capacity, np.arange(len(units), dtype=np.uint64))
+        return {
+            "lengths": clipped,
+            "kept": kept,
+            "units": units,
+            "num_rows": np.array(num_rows),
+            "most_per_row": np.array(max(1, int(np.searchsorted(np.cumsum(np.sort(clipped[kept])), total, "right")))),
+            "truncated": np.array(int(long.sum()) if over_long == "truncate" else 0),
+            "dropped": np.array(int(long.sum()) if over_long == "drop" else 0),
+            "fingerprint": np.array(fingerprint),
+        }
+
+    def _arrays(self, name: str, make: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """``make``'s arrays: the node's (``shared_as``), or this process's own."""
+        return make() if self.shared_as is None else node_arrays(NODE_KIND, f"{self.shared_as}/{name}", make)
 
     def __len__(self) -> int:
         return self.num_rows
@@ -185,20 +217,28 @@ class PackedRows:
     def _pack(self, pass_: int) -> tuple[np.ndarray, np.ndarray]:
         """Pass ``pass_``'s rows: the sample indices row after row, and where each row starts in them."""
         if pass_ not in self._cache:
-            key = mix64(np.array([self.seed], dtype=np.uint64) ^ mix64(np.array([pass_ + 1], dtype=np.uint64)))
-            tie_keys = mix64(np.arange(len(self._units), dtype=np.uint64) ^ key)
-            row_of, num_rows = best_fit_decreasing(self._units, self._capacity, tie_keys)
-            row_of = self._row_order(row_of, num_rows, key)[row_of]
-            # Each row's samples in index order: one sort of the distinct keys row * n + index, a
-            # sixth of a stable argsort's time on a million samples.
-            n = len(row_of)
-            order = np.sort(row_of * n + np.arange(n)) % n
-            offsets = np.zeros(num_rows + 1, dtype=np.int64)
-            np.cumsum(np.bincount(row_of, minlength=num_rows), out=offsets[1:])
             if len(self._cache) >= 2:  # a loader reads at most two passes at once (one epoch's turn)
                 self._cache.pop(next(iter(self._cache)))
-            self._cache[pass_] = (self.kept[order], offsets)
+            packed = self._arrays(f"pass-{pass_}", lambda: self._packing_of(pass_))
+            self._cache[pass_] = (packed["samples"], packed["offsets"])
         return self._cache[pass_]
+
+    def _packing_of(self, pass_: int) -> dict[str, np.ndarray]:
+        if self.shared_as is not None:  # the node's older passes go: a loader reads at most two at once
+            for folder in Path(default_cache_dir(NODE_KIND), self.shared_as).glob("pass-*"):
+                if int(folder.name.removeprefix("pass-")) < pass_ - 1:
+                    drop_node_arrays(NODE_KIND, f"{self.shared_as}/{folder.name}")
+        key = mix64(np.array([self.seed], dtype=np.uint64) ^ mix64(np.array([pass_ + 1], dtype=np.uint64)))
+        tie_keys = mix64(np.arange(len(self._units), dtype=np.uint64) ^ key)
+        row_of, num_rows = best_fit_decreasing(self._units, self._capacity, tie_keys)
+        row_of = self._row_order(row_of, num_rows, key)[row_of]
+        # Each row's samples in index order: one sort of the distinct keys row * n + index, a
+        # sixth of a stable argsort's time on a million samples.
+        n = len(row_of)
+        order = np.sort(row_of * n + np.arange(n)) % n
+        offsets = np.zeros(num_rows + 1, dtype=np.int64)
+        np.cumsum(np.bincount(row_of, minlength=num_rows), out=offsets[1:])
+        return {"samples": self.kept[order], "offsets": offsets}
 
     def _row_order(self, row_of: np.ndarray, num_rows: int, key: np.ndarray) -> np.ndarray:
         """Where each packed row goes in the pass: rows within 1% of the fullest in an order keyed
