@@ -26,6 +26,11 @@ what the process holds alone).
   assembled from synthetic per-shard indexes over sparse shard files of the right sizes: setup only,
   no sample read. Memory: the process's anonymous memory grown over ``setup`` (what it holds per
   sample), its ``Pss`` at the first batch, and the node table's bytes on disk per sample.
+- **Packed conversation rows** (``ConversationRows``, which ``HiddenStateRows`` extends): a saved
+  dataset of 10^6 and 10^7 tiny conversations, set up in fresh processes: one computing and holding
+  its own rows, lengths and packings (what every rank and worker did before), the node's first
+  (which makes the node's arrays), and any other (which maps them); one packed row of passes 0 and 1
+  read in each. Memory: the anonymous memory grown over setup and reads, per conversation.
 
 Beyond the ranks two cores can run, the job total is computed from the counts: the requests a job
 of ``R`` ranks sends are fitted as ``a + b R`` over the measured ``R`` and projected to 1,024 ranks
@@ -55,7 +60,9 @@ from benchmarks.common import (
     data_directory,
     memory_kb,
     report,
+    result_of,
     results_directory,
+    tiny_conversations,
     tiny_shards,
 )
 from benchmarks.object_store.serve import StoreProcess, read_counts, reset_counts
@@ -426,27 +433,92 @@ def measure_webdataset(args: argparse.Namespace, data: Path) -> list[dict[str, A
     return rows
 
 
+# --- packed conversation rows ----------------------------------------------------------------------
+
+PACKED_ROW = 64  # tokens a packed row (conversations of 1 to 12 tokens)
+PACKED_COLUMNS = ["conversations", "process", "setup s", "passes 0-1 s", "anonymous B / conversation"]
+
+
+def packed_probe(spec: dict[str, Any]) -> None:
+    """In a fresh process: the packed rows of the saved conversations ``spec["data"]``, set up as
+    ``spec["how"]`` says (``"alone"``: this process computes and holds its own rows, lengths and
+    packings, as every process did before; ``"node"``: through the node's arrays), then one row of
+    passes 0 and 1 read; prints the times and the anonymous memory grown on a ``RESULT`` line."""
+    import datasets
+
+    from datamodules.speculative.conversation_rows import ConversationRows, column_values
+    from datamodules.speculative.multipack import PackedRows
+
+    dataset = datasets.load_from_disk(spec["data"])
+    before, started = memory_kb(os.getpid())["Anonymous"], time.perf_counter()
+    if spec["how"] == "alone":
+        rows = np.arange(len(dataset))
+        packed = PackedRows(column_values(dataset, "seq_len")[rows], PACKED_ROW)
+        setup_s = time.perf_counter() - started
+        spans = [rows[packed.row(pass_, 0)] for pass_ in (0, 1)]
+    else:
+        conversations = ConversationRows(dataset, np.arange(len(dataset)), total_seq_len=PACKED_ROW)
+        setup_s = time.perf_counter() - started
+        spans = [conversations.packed_rows(np.array([0]), np.array([pass_]))[0] for pass_ in (0, 1)]
+    passes_s = time.perf_counter() - started - setup_s
+    grown = (memory_kb(os.getpid())["Anonymous"] - before) * 1024
+    assert all(len(span) for span in spans)
+    print("RESULT " + json.dumps({"setup_s": setup_s, "passes_s": passes_s, "anonymous_b": grown}), flush=True)
+
+
+def measure_packed_rows(args: argparse.Namespace, data: Path) -> list[dict[str, Any]]:
+    rows = []
+    for count in args.conversations:
+        folder = tiny_conversations(data / f"conversations-{count}", count)
+        cache = data / f"cache-packed-{count}"
+        # glibc keeps a setup's freed passing buffers in its heap, where they read as anonymous memory;
+        # a fixed mmap threshold hands them back, leaving what the process holds.
+        env = {**os.environ, "XDG_CACHE_HOME": str(cache), "MALLOC_MMAP_THRESHOLD_": "131072"}
+        for process, how in (("its own (as before)", "alone"), ("first on the node", "node"), ("any other", "node")):
+            spec = json.dumps({"data": str(folder), "how": how})
+            found = result_of([sys.executable, "-m", "benchmarks.scale", "--packed-probe", spec], JOB_TIMEOUT_S, env)
+            if "error" in found:
+                raise RuntimeError(f"packed rows probe {process} at {count}: {found['error']}")
+            row = {"conversations": count, "process": process, "setup s": round(found["setup_s"], 3)}
+            row["passes 0-1 s"] = round(found["passes_s"], 3)
+            row["anonymous B / conversation"] = round(found["anonymous_b"] / count, 2)
+            print(row, flush=True)
+            rows.append(row)
+        node = sum(path.stat().st_size for path in cache.rglob("*.npy"))
+        rows[-1]["node arrays B / conversation (on disk)"] = round(node / count, 1)
+        shutil.rmtree(folder)
+        shutil.rmtree(cache)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
     parser.add_argument("--rank-job", help=argparse.SUPPRESS)  # a rank of a job (launched by this script)
+    parser.add_argument("--packed-probe", help=argparse.SUPPRESS)  # a process over packed rows
     parser.add_argument("--shards", type=int, nargs="+", default=[10, 100, 1_000, 10_000])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--delay-ms", type=int, default=50, help="one job at the most shards behind this delay")
     parser.add_argument("--samples", type=int, nargs="+", default=[100_000, 1_000_000], help="WebDataset tars")
     parser.add_argument("--synthetic-samples", type=int, nargs="+", default=[100_000_000], help="tables only")
     parser.add_argument("--wds-ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--conversations", type=int, nargs="+", default=[1_000_000, 10_000_000])
     args = parser.parse_args()
     if args.rank_job:
         rank_main(json.loads(Path(args.rank_job).read_text()))
         return
+    if args.packed_probe:
+        packed_probe(json.loads(args.packed_probe))
+        return
     if args.quick:
         args.shards, args.ranks, args.delay_ms = [20], [1, 2], 0
         args.samples, args.synthetic_samples, args.wds_ranks = [20_000], [200_000], [2]
+        args.conversations = [100_000]
     with data_directory(args.data_dir) as data:
         started = time.perf_counter()
         token_rows = measure_token_shards(args, data)
         wds_rows = measure_webdataset(args, data)
+        packed_rows = measure_packed_rows(args, data)
     largest = max(args.shards)
     fresh = [r for r in token_rows if r["where"] == "bucket" and r["start"] == "first" and r["ranks"] in args.ranks]
     at_largest = [r["setup requests (job)"] for r in fresh if r["shards"] == largest and not r.get("note")]
@@ -473,11 +545,25 @@ def main() -> None:
            f"{wds_rows[-1]['samples']} samples"] = all(
         r["setup anonymous B / sample"] < 4 for r in largest_table if r["start"] == "restart"
     )  # fmt: skip
+    largest_packed = max(args.conversations)
+    checks[f"Packed conversation rows: under 1 byte a conversation of anonymous memory in a process over the node's "
+           f"arrays, at {largest_packed}"] = all(
+        r["anonymous B / conversation"] < 1
+        for r in packed_rows if r["conversations"] == largest_packed and r["process"] == "any other"
+    )  # fmt: skip
+    checks[f"Packed conversation rows: at most 24 bytes a conversation in the node's arrays at {largest_packed}"] = all(
+        r.get("node arrays B / conversation (on disk)", 0) <= 24
+        for r in packed_rows if r["conversations"] == largest_packed
+    )  # fmt: skip
     report(
         "scale",
         {
             "Token shards: a job's start by shards and ranks": (TOKEN_COLUMNS, token_rows),
             "WebDataset shards: a job's start by samples and ranks": (WDS_COLUMNS, wds_rows),
+            "Packed conversation rows: a process's setup alone or through the node's arrays": (
+                PACKED_COLUMNS + ["node arrays B / conversation (on disk)"],
+                packed_rows,
+            ),
         },
         {
             "tokens_per_shard": TOKENS_PER_SHARD,

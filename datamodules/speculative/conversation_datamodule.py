@@ -94,6 +94,6 @@ class ConversationDataModule(PlanDataModule):
         tokens = train.packed.row_tokens(0)
         return {
             "rows": len(tokens),
-            "conversations": int(len(train.packed.kept)),
+            "conversations": train.packed.num_kept,
             "token_efficiency": float(tokens.sum() / (len(tokens) * self.total_seq_len)),
         }

@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import torch
 
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.speculative.multipack import NODE_KIND, OverLong, PackedRows
+from datamodules.speculative.multipack import NODE_KIND, OverLong, PackedRows, narrow_indices
 from datamodules.storage.node_arrays import is_mapped, node_arrays
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class ConversationRows:
         def make() -> dict[str, np.ndarray]:
             if rows is None:
                 raise RuntimeError(f"{self.name}: the node's packed rows ({self.shared_as}) left its cache")
-            return {"rows": rows, "lengths": column_values(self.dataset, "seq_len")[rows]}
+            return {"rows": narrow_indices(rows), "lengths": column_values(self.dataset, "seq_len")[rows].astype(np.int32)}
 
         table = node_arrays(NODE_KIND, f"{self.shared_as}/rows", make)
         return table["rows"], PackedRows(table["lengths"], **self._packing, shared_as=self.shared_as)

@@ -46,6 +46,11 @@ def order_by(small: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return by_key[np.argsort(narrow, kind="stable")]
 
 
+def narrow_indices(indices: np.ndarray) -> np.ndarray:
+    """Indices as int32 where they fit (half the bytes a node keeps), else int64."""
+    return indices.astype(np.int32 if indices.max(initial=0) < 2**31 else np.int64)
+
+
 def best_fit_decreasing(units: np.ndarray, capacity: int, tie_keys: np.ndarray) -> tuple[np.ndarray, int]:
     """Row of each item under best-fit decreasing, and the number of rows.
 
@@ -168,7 +173,9 @@ class PackedRows:
         self.seed, self.shared_as = seed, shared_as
         packing = (total_seq_len, self.quantum, over_long) + ((self.max_length,) if max_length is not None else ())
         base = self._arrays("base", lambda: self._base(lengths, over_long, packing))
-        self.lengths, self.kept, self._units = base["lengths"], base["kept"], base["units"]
+        self.lengths, self._units = base["lengths"], base["units"]
+        self.kept = base.get("kept")  # the samples packed, where some are dropped; else all of them
+        self.num_kept = len(self._units)
         self.truncated, self.dropped = int(base["truncated"]), int(base["dropped"])
         self.fingerprint = str(base["fingerprint"])
         self.most_per_row = int(base["most_per_row"])  # samples a row can hold at most: the shortest ones
@@ -177,8 +184,9 @@ class PackedRows:
         self.num_rows = int(base["num_rows"])
 
     def _base(self, lengths: np.ndarray, over_long: str, packing: tuple) -> dict[str, np.ndarray]:
-        """The per-sample arrays every pass packs from: lengths cut to ``max_length``, the samples kept,
-        their sizes in quanta; the counts cut and left out; the fingerprint of lengths and options."""
+        """The per-sample arrays every pass packs from: lengths cut to ``max_length``, the samples kept
+        (with ``"drop"``), their sizes in quanta; the counts cut and left out; the fingerprint of
+        lengths and options. Each in the narrowest type that holds it (a node keeps them)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or not len(lengths):
             raise ValueError(f"lengths must be a non-empty 1-D sequence, got shape {lengths.shape}")
@@ -197,9 +205,9 @@ class PackedRows:
         # Every pass packs into as many rows: the count depends on the sizes, not on the tie keys.
         _, num_rows = best_fit_decreasing(units, capacity, np.arange(len(units), dtype=np.uint64))
         return {
-            "lengths": clipped,
-            "kept": kept,
-            "units": units,
+            "lengths": clipped.astype(np.int32),  # at most total_seq_len
+            **({"kept": narrow_indices(kept)} if over_long == "drop" else {}),
+            "units": units.astype(np.min_scalar_type(capacity)),
             "num_rows": np.array(num_rows),
             "most_per_row": np.array(max(1, int(np.searchsorted(np.cumsum(np.sort(clipped[kept])), total, "right")))),
             "truncated": np.array(int(long.sum()) if over_long == "truncate" else 0),
@@ -238,13 +246,14 @@ class PackedRows:
         order = np.sort(row_of * n + np.arange(n)) % n
         offsets = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(np.bincount(row_of, minlength=num_rows), out=offsets[1:])
-        return {"samples": self.kept[order], "offsets": offsets}
+        return {"samples": narrow_indices(order if self.kept is None else self.kept[order]), "offsets": offsets}
 
     def _row_order(self, row_of: np.ndarray, num_rows: int, key: np.ndarray) -> np.ndarray:
         """Where each packed row goes in the pass: rows within 1% of the fullest in an order keyed
         by the pass, then the rest, fullest first. Ranks read consecutive rows in a step, so the
         few under-filled rows best-fit leaves meet each other at the pass's end, not full rows."""
-        tokens = np.bincount(row_of, weights=self.lengths[self.kept], minlength=num_rows).astype(np.int64)
+        kept = self.lengths if self.kept is None else self.lengths[self.kept]
+        tokens = np.bincount(row_of, weights=kept, minlength=num_rows).astype(np.int64)
         keys = mix64(np.arange(num_rows, dtype=np.uint64) ^ mix64(key))
         full = tokens * 1.01 >= tokens.max()
         # Full rows rank 0; any other holds fewer tokens than the fullest, so its shortfall ranks it (>= 1).
@@ -261,7 +270,7 @@ class PackedRows:
     def row_tokens(self, pass_: int) -> np.ndarray:
         """Tokens of every row of pass ``pass_`` (lengths after truncation)."""
         samples, offsets = self._pack(pass_)
-        return np.add.reduceat(self.lengths[samples], offsets[:-1])
+        return np.add.reduceat(self.lengths[samples].astype(np.int64), offsets[:-1])
 
     def report(self, rows_per_step: np.ndarray) -> PackingReport:
         """The packing of the rows ``rows_per_step`` (``[steps, ranks]`` of ``(pass, row)`` pairs)."""

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import datasets
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 
+from benchmarks.common import tiny_conversations
 from datamodules.speculative.conversation_rows import ConversationRows
 from datamodules.speculative.multipack import PackedRows
 from datamodules.storage.node_arrays import is_mapped
@@ -30,13 +30,7 @@ ROW = 64  # tokens per packed row
 def million(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved dataset of a million conversations of 1 to 12 tokens, and the node's arrays made for it
     by a first process (as the first rank of a node would)."""
-    folder = tmp_path_factory.mktemp("conversations") / "data"
-    lengths = np.random.default_rng(0).integers(1, 13, CONVERSATIONS)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-    ids = pa.ListArray.from_arrays(offsets, pa.array(np.arange(lengths.sum(), dtype=np.int32) % 1000))
-    mask = pa.ListArray.from_arrays(offsets, pa.array(np.ones(lengths.sum(), dtype=np.int8)))
-    table = pa.table({"input_ids": ids, "loss_mask": mask, "seq_len": pa.array(lengths)})
-    datasets.Dataset(table).save_to_disk(str(folder))
+    folder = tiny_conversations(tmp_path_factory.mktemp("conversations") / "data", CONVERSATIONS)
     done = subprocess.run([sys.executable, "-c", PROBE, str(folder), "first"], **RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     return folder
