@@ -137,7 +137,8 @@ class ConversationRows:
         def make() -> dict[str, np.ndarray]:
             if rows is None:
                 raise RuntimeError(f"{self.name}: the node's packed rows ({self.shared_as}) left its cache")
-            return {"rows": narrow_indices(rows), "lengths": column_values(self.dataset, "seq_len")[rows].astype(np.int32)}
+            lengths = column_values(self.dataset, "seq_len")[rows].astype(np.int32)
+            return {"rows": narrow_indices(rows), "lengths": lengths}
 
         table = node_arrays(NODE_KIND, f"{self.shared_as}/rows", make)
         return table["rows"], PackedRows(table["lengths"], **self._packing, shared_as=self.shared_as)
