@@ -82,7 +82,8 @@ class MixtureDataModule(PlanDataModule):
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
         allow_mixed_tokenizers: mix sources whose metadata names different tokenizers or EOS
             ids; by default that is refused, since the same id would mean different tokens.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+            ``PlanDataModule``.
 
     Example::
 
@@ -105,6 +106,7 @@ class MixtureDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
     ) -> None:
         super().__init__(
             batch_size,
@@ -113,6 +115,7 @@ class MixtureDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
         )
         require_int("seq_len", seq_len, 1)
         if not sources:

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from datamodules.plan.arguments import require_int
 from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
+from datamodules.plan.model_parallel import BroadcastGroup, BroadcastLoader, broadcast_groups
 from datamodules.plan.parallelism import Job, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
@@ -60,6 +61,12 @@ class PlanDataModule(LightningDataModule):
             not stall the rest (needs ``num_workers > 0``). The order is then not reproducible, but a
             resume still trains every batch exactly once: the state records the batches trained out of
             order, and resumes on the same number of data-parallel ranks.
+        broadcast_within: the dimension(s) of the strategy's device mesh whose ranks train on the same
+            batch (``"tensor_parallel"`` under ``ModelParallelStrategy``; any named dimensions of a
+            custom strategy's ``device_mesh``): only the first rank of each such group reads the data
+            (its loader alone starts workers), and sends each batch to the others over a gloo group.
+            The data order, the state and resume are the same with or without it. Default ``None``:
+            every rank reads its own batches.
     """
 
     def __init__(
@@ -71,6 +78,7 @@ class PlanDataModule(LightningDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         in_order: bool = True,
+        broadcast_within: str | list[str] | None = None,
     ) -> None:
         super().__init__()
         self.batch_size = require_int("batch_size", batch_size, 1)
@@ -85,6 +93,13 @@ class PlanDataModule(LightningDataModule):
                 "in_order=False hands over batches as worker processes finish them; it needs num_workers > 0"
             )
         self.in_order = in_order
+        if broadcast_within is not None and not (
+            isinstance(broadcast_within, str)
+            or (isinstance(broadcast_within, (list, tuple)) and all(isinstance(d, str) for d in broadcast_within))
+        ):
+            raise ValueError(f"broadcast_within names mesh dimensions (a name or a list), got {broadcast_within!r}")
+        self.broadcast_within = broadcast_within
+        self._broadcast: BroadcastGroup | None = None
         self.allow_plan_change = allow_plan_change
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
@@ -210,10 +225,29 @@ class PlanDataModule(LightningDataModule):
                 for name, train, _ in parts
             ]
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
+        if self.broadcast_within is not None and self._broadcast is None:
+            self._broadcast = self._broadcast_group()
         if self._stream is None:
             self.check_global_batch()
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+
+    def _broadcast_group(self) -> BroadcastGroup | None:
+        """This rank's group of ``broadcast_within``, its ranks checked to share a data-parallel rank."""
+        group = broadcast_groups(self.trainer, self.broadcast_within)
+        if group is None:
+            return None
+        import torch.distributed as dist
+
+        dp_ranks: list[Any] = [None] * len(group.ranks)
+        dist.all_gather_object(dp_ranks, self.dp_rank, group=group.group)
+        if len(set(dp_ranks)) > 1:
+            raise ValueError(
+                f"{type(self).__name__}(broadcast_within={self.broadcast_within!r}): ranks {list(group.ranks)} "
+                f"share batches but have data-parallel ranks {dp_ranks}; the strategy's "
+                "distributed_sampler_kwargs must give the ranks of a model-parallel group one data-parallel rank"
+            )
+        return group
 
     def teardown(self, stage: str) -> None:
         self._vote.finish()
@@ -432,7 +466,10 @@ class PlanDataModule(LightningDataModule):
 
     def _stopping_together(self, loader: Any) -> Any:
         """On several ranks, a loader's failure becomes a stop every rank votes on (``stopping.py``);
-        every loader made is closed at ``teardown``."""
+        with ``broadcast_within``, the group's first rank alone reads (``model_parallel.py``); every
+        loader made is closed at ``teardown``."""
+        if self._broadcast is not None:
+            loader = BroadcastLoader(loader, self._broadcast)
         loader.stop_together = getattr(self.trainer, "world_size", 1) > 1
         self._loaders.add(loader)
         return loader

@@ -28,7 +28,8 @@ class ConversationDataModule(PlanDataModule):
             cache_dir, num_proc: see ``ConversationSource``.
         total_seq_len: tokens per packed row.
         batch_size: rows per data-parallel rank per micro-batch.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within: see
+            ``PlanDataModule``.
 
     Example::
 
@@ -61,6 +62,7 @@ class ConversationDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
         in_order: bool = True,
     ) -> None:
         super().__init__(
@@ -70,6 +72,7 @@ class ConversationDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
             in_order=in_order,
         )
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)

@@ -94,7 +94,7 @@ class HiddenStatesDataModule(PlanDataModule):
             default ``None``: spawn when this process has initialised CUDA or holds a client of the
             generation server (threads and connections a fork could deadlock on), else fork, which
             starts in a fraction of a second where spawn takes many.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within: see
             ``PlanDataModule`` (``in_order=False`` keeps one slow fetch from stalling the rank).
 
     Example::
@@ -130,6 +130,7 @@ class HiddenStatesDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
         in_order: bool = True,
     ) -> None:
         super().__init__(
@@ -139,6 +140,7 @@ class HiddenStatesDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
             in_order=in_order,
         )
         self.data_dir = str(data_dir)

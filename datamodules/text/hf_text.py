@@ -196,7 +196,8 @@ class HFTextDataModule(PlanDataModule):
             workers, and refused on another. Training needs ``max_steps`` or ``steps_per_epoch``.
         shuffle_rows: with ``streaming``, rows read in one seeded order within a unit.
         steps_per_epoch: with ``streaming``, optimizer steps per epoch (default: one endless epoch).
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+            ``PlanDataModule``.
 
     Example::
 
@@ -232,6 +233,7 @@ class HFTextDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
         test_split: str | None = None,
         test_fraction: float = 0.0,
     ) -> None:
@@ -242,6 +244,7 @@ class HFTextDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
         )
         self.seq_len = require_int("seq_len", seq_len, 1)
         self.pack_sequences = pack_sequences

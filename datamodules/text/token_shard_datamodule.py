@@ -32,7 +32,8 @@ class TokenShardDataModule(PlanDataModule):
         prefetch_steps: for a URL, micro-batches whose windows are requested in one round of
             concurrent range requests, the next round while the current one trains.
         io_threads: for a URL, range requests in flight at once per process (main or worker).
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+            ``PlanDataModule``.
 
     Example::
 
@@ -54,6 +55,7 @@ class TokenShardDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         prefetch_steps: int = PREFETCH_STEPS,
         io_threads: int = IO_THREADS,
@@ -67,6 +69,7 @@ class TokenShardDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
         )
         require_int("seq_len", seq_len, 1)
         self.source = TokenShardSource(

@@ -32,7 +32,8 @@ class VideoDataModule(PlanDataModule):
             kept out of checkpoints.
         max_text_len: tokens per sample, placeholders included.
         batch_size: samples per data-parallel rank per micro-batch.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor: see ``PlanDataModule``.
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+            ``PlanDataModule``.
 
     Example::
 
@@ -74,6 +75,7 @@ class VideoDataModule(PlanDataModule):
         allow_plan_change: bool = False,
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
+        broadcast_within: str | list[str] | None = None,
         test_manifest: str | list[str] | None = None,
         test_fraction: float = 0.0,
     ) -> None:
@@ -84,6 +86,7 @@ class VideoDataModule(PlanDataModule):
             allow_plan_change=allow_plan_change,
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
+            broadcast_within=broadcast_within,
         )
         self.max_text_len = require_int("max_text_len", max_text_len, 1)
         self.source = VideoSource(

@@ -245,9 +245,9 @@ def test_elastic_resume_of_a_2_rank_checkpoint_on_1_rank_consumes_every_position
     assert resumed.info(0)["positions_consumed"] == WINDOWS
 
 
-def launch_mesh(strategy: str, shards: Path, out: Path) -> list[dict]:
+def launch_mesh(strategy: str, shards: Path, out: Path, *options: str) -> list[dict]:
     """Four processes, 2 "nodes" x 2 local ranks, started the way torchelastic starts them."""
-    cmd = [sys.executable, str(SCRIPTS / "mesh_ranks.py"), "--strategy", strategy, "--data", str(shards)]
+    cmd = [sys.executable, str(SCRIPTS / "mesh_ranks.py"), "--strategy", strategy, "--data", str(shards), *options]
     cmd += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--batches", "3", "--out", str(out / "batches")]
     port = free_port()
     elastic = dict(WORLD_SIZE=4, LOCAL_WORLD_SIZE=2, TORCHELASTIC_RUN_ID="test_distributed")
@@ -271,6 +271,15 @@ def test_model_parallel_tensor_parallel_peers_get_identical_batches(model_parall
     for dp in range(2):
         peer0, peer1 = model_parallel[2 * dp], model_parallel[2 * dp + 1]
         assert peer0["digests"] == peer1["digests"], f"tensor-parallel peers of DP rank {dp} got different batches"
+
+
+def test_model_parallel_broadcast_within_tensor_parallel_the_first_rank_reads_for_its_peer(
+    shards: Path, tmp_path: Path, model_parallel: list[dict]
+) -> None:
+    ranks = launch_mesh("model_parallel", shards, tmp_path, "--broadcast-within", "tensor_parallel")
+    assert [rank["reads"] for rank in ranks] == [True, False, True, False]
+    # The same batches as every rank reading its own, under the real ModelParallelStrategy.
+    assert [rank["digests"] for rank in ranks] == [rank["digests"] for rank in model_parallel]
 
 
 def test_model_parallel_data_parallel_ranks_get_disjoint_slices(model_parallel: list[dict], plan_windows) -> None:

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, required=True)
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--broadcast-within", help="the DataModule's broadcast_within")
     args = parser.parse_args(argv)
 
     devices = int(os.environ["LOCAL_WORLD_SIZE"])
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     # (process group, device mesh), attach the DataModule, call its setup, process its loader.
     trainer.strategy.connect(RecordingModel())
     trainer.strategy.setup_environment()
-    datamodule = TokenShardDataModule(args.data, seq_len=args.seq_len, batch_size=args.batch_size)
+    datamodule = TokenShardDataModule(
+        args.data, seq_len=args.seq_len, batch_size=args.batch_size, broadcast_within=args.broadcast_within
+    )
     datamodule.trainer = trainer
     datamodule.setup("fit")
     loader = _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.TRAINING, datamodule.train_dataloader())
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer.strategy.device_mesh.get_coordinate() if args.strategy == "model_parallel" else None
         ),
         "sampler_is_datamodule_sampler": loader.sampler is datamodule._sampler,
+        "reads": datamodule._broadcast is None or datamodule._broadcast.leads,  # iterates its own loader
         "starts": [b["input_ids"][:, 0].tolist() for b in batches],
         "digests": [batch_digest(b) for b in batches],
     }

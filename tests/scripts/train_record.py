@@ -36,6 +36,8 @@ sys.path.insert(0, str(_TESTS.parent))
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from datamodules import (  # noqa: E402
     ConversationDataModule,
@@ -91,7 +93,31 @@ class LoaderProbe(Callback):
             "sampler_is_datamodule_sampler": sampler is self.datamodule._sampler,
             "batch_sampler": None if loader.batch_sampler is None else type(loader.batch_sampler).__name__,
             "num_training_batches": trainer.num_training_batches,
+            "worker_processes": len(multiprocessing.active_children()),
         }
+
+
+class MeshDDPStrategy(DDPStrategy):
+    """DDP over every rank, with a ``(data_parallel, tensor_parallel)`` device mesh whose data-parallel
+    view the sampler sees, as ``ModelParallelStrategy`` gives it (that strategy trains on GPUs only):
+    the shape of a tensor-parallel job, trained on CPU."""
+
+    def __init__(self, data_parallel_size: int, tensor_parallel_size: int, global_sampler: bool = False) -> None:
+        super().__init__()
+        self.sizes = (data_parallel_size, tensor_parallel_size)
+        self.device_mesh = None
+        self.global_sampler = global_sampler  # DDP's view (a rank each) in place of the mesh's: a wrong strategy
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.device_mesh = init_device_mesh("cpu", self.sizes, mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        if self.global_sampler:
+            return super().distributed_sampler_kwargs
+        data_parallel = self.device_mesh["data_parallel"]
+        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
 
 
 class WorkerKiller(Callback):
@@ -172,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--mesh", help="DPxTP: a MeshDDPStrategy of that shape (--devices must be DP * TP)")
+    parser.add_argument("--mesh-sampler", default="mesh", help="'global': DDP's sampler view, not the mesh's")
+    parser.add_argument("--broadcast-within", help="the DataModule's broadcast_within (a mesh dimension)")
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
@@ -187,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
 
     loading = {"seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed, "num_workers": args.workers}
+    if args.broadcast_within:
+        loading["broadcast_within"] = args.broadcast_within
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("datamodules.storage.tar_index").setLevel(logging.INFO)  # which rank indexed what
     tokenized = TokenizationCounter()
@@ -291,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
         accelerator="cpu",
         devices=args.devices,
         num_nodes=args.num_nodes,
-        strategy=args.strategy,
+        strategy=MeshDDPStrategy(*map(int, args.mesh.split("x")), args.mesh_sampler == "global")
+        if args.mesh
+        else args.strategy,
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,
         accumulate_grad_batches=args.accumulate,

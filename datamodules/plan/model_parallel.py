@@ -1,0 +1,212 @@
+"""Model-parallel groups read once: the first rank of each group reads the batches, its peers receive them.
+
+Under tensor (or context, or sequence) parallelism the ranks of one model-parallel group train on the
+same batch. Reading it on each of them multiplies the reads, the decoding and (for hidden states
+generated on demand) the requests by the group's size. With ``broadcast_within`` a DataModule names
+the dimensions of the strategy's device mesh whose ranks share a batch; ``broadcast_groups`` makes one
+gloo group per set of such ranks (a CPU group: batches are host tensors before the Trainer moves
+them), and ``BroadcastLoader`` wraps a rank's loader: the group's first rank iterates it and
+broadcasts each batch; the peers never iterate theirs (no worker starts, nothing is read) and yield
+what they receive.
+
+A batch travels as one byte buffer: its tensors' bytes back to back, its numbers (``int``, ``float``)
+in a small tensor, and its layout (the tree of keys, each tensor's dtype and shape, any other leaf
+such as the stop vote's marker) pickled in a header that is sent only when it differs from the last
+batch's: a group of ``G`` ranks pays two or three broadcasts a batch.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from datamodules.plan.parallelism import _sendable
+from datamodules.plan.stopping import Stop
+
+_SAME, _NEW, _END = 0, 1, 2  # what follows a batch's first message
+
+
+@dataclass(frozen=True)
+class BroadcastGroup:
+    """This rank's group: a gloo process group over ``ranks`` (global ranks), led by ``ranks[0]``."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    rank: int  # this process's global rank
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == self.leader
+
+
+def broadcast_groups(trainer: Any, dims: str | list[str] | tuple[str, ...]) -> BroadcastGroup | None:
+    """The group of this rank along the device mesh's dimensions ``dims`` (one gloo group made per set of
+    ranks that differ only along them, on every rank, as ``new_group`` requires); ``None`` when every
+    such group holds one rank. The strategy must expose a ``device_mesh`` with those dimension names."""
+    names = [dims] if isinstance(dims, str) else list(dims)
+    strategy = getattr(trainer, "strategy", None)
+    mesh = getattr(strategy, "device_mesh", None)
+    if mesh is None:
+        raise ValueError(
+            f"broadcast_within={dims!r} names dimensions of the strategy's device mesh, but "
+            f"{type(strategy).__name__} has none: use ModelParallelStrategy, or a strategy with a "
+            "`device_mesh` (torch.distributed.device_mesh.DeviceMesh) whose dimensions are named"
+        )
+    known = list(mesh.mesh_dim_names or ())
+    unknown = [name for name in names if name not in known]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"broadcast_within={dims!r}: the device mesh's dimensions are {known}")
+    if "data_parallel" in names or "dp" in names:
+        raise ValueError(f"broadcast_within={dims!r} would give data-parallel ranks the same batches")
+    layout = mesh.mesh  # global ranks, one axis per dimension
+    moved = [known.index(name) for name in names]
+    kept = [i for i in range(len(known)) if i not in moved]
+    size = math.prod(layout.shape[i] for i in moved)
+    sets = layout.permute(kept + moved).reshape(-1, size).tolist()
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(sets, backend="gloo")
+    rank = dist.get_rank()
+    ranks = next(tuple(s) for s in sets if rank in s)
+    return BroadcastGroup(group, ranks, rank)
+
+
+class BroadcastLoader:
+    """``loader`` for the ranks of ``group``: its first rank iterates ``loader`` and sends each batch to
+    the others, which yield what they receive and never iterate their own ``loader`` (kept for its
+    length and its sampler, which the Trainer and the DataModule read on every rank alike)."""
+
+    def __init__(self, loader: Any, group: BroadcastGroup) -> None:
+        self.loader, self.broadcast = loader, group
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, stop_together, close: the wrapped loader's
+        if name in ("loader", "broadcast"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("loader", "broadcast"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._lead() if self.broadcast.leads else self._follow()
+
+    def _lead(self) -> Iterator[Any]:
+        # Only an iteration that ends says so: one the Trainer leaves (max_steps, a sanity check's few
+        # batches) is left by every rank of the group after the same batch, and sends nothing more.
+        sender = _Sender(self.broadcast)
+        for batch in self.loader:
+            sender.send(batch)
+            yield batch
+        sender.end()
+
+    def _follow(self) -> Iterator[Any]:
+        receiver = _Receiver(self.broadcast)
+        while (batch := receiver.receive()) is not None:
+            yield batch
+
+
+def _bcast(tensor: torch.Tensor, group: BroadcastGroup) -> None:
+    dist.broadcast(tensor, src=group.leader, group=group.group)
+
+
+class _Sender:
+    def __init__(self, group: BroadcastGroup) -> None:
+        self.group, self.header = group, b""
+
+    def send(self, batch: Any) -> None:
+        leaves, spec = tree_flatten(batch)
+        kinds = [_kind(leaf) for leaf in leaves]
+        header = pickle.dumps((spec, kinds))
+        payload = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in leaves if isinstance(t, torch.Tensor)]
+        numbers = [leaf for leaf, kind in zip(leaves, kinds, strict=True) if kind in _NUMBERS]
+        if numbers:
+            packed = struct.pack("<" + "".join(_NUMBERS[kind] for kind in kinds if kind in _NUMBERS), *numbers)
+            payload.append(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+        flat = torch.cat(payload) if payload else torch.empty(0, dtype=torch.uint8)
+        new = header != self.header
+        _bcast(torch.tensor([_NEW if new else _SAME, len(header), flat.numel()], dtype=torch.int64), self.group)
+        if new:
+            _bcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), self.group)
+            self.header = header
+        _bcast(flat, self.group)
+
+    def end(self) -> None:
+        _bcast(torch.tensor([_END, 0, 0], dtype=torch.int64), self.group)
+
+
+class _Receiver:
+    def __init__(self, group: BroadcastGroup) -> None:
+        self.group, self.layout = group, None
+
+    def receive(self) -> Any:
+        """The next batch, or ``None`` at the end of the leader's iteration."""
+        head = torch.empty(3, dtype=torch.int64)
+        _bcast(head, self.group)
+        what, header_bytes, payload_bytes = head.tolist()
+        if what == _END:
+            return None
+        if what == _NEW:
+            header = torch.empty(header_bytes, dtype=torch.uint8)
+            _bcast(header, self.group)
+            self.layout = pickle.loads(header.numpy().tobytes())
+        flat = torch.empty(payload_bytes, dtype=torch.uint8)
+        _bcast(flat, self.group)
+        spec, kinds = self.layout
+        fmt = "<" + "".join(_NUMBERS[kind] for kind in kinds if kind in _NUMBERS)
+        numbers = iter(struct.unpack(fmt, flat[flat.numel() - struct.calcsize(fmt) :].numpy().tobytes()))
+        leaves, offset = [], 0
+        for kind in kinds:
+            if kind in _NUMBERS:
+                leaves.append(next(numbers))
+            elif kind[0] == "tensor":
+                _, dtype, shape = kind
+                size = math.prod(shape) * dtype.itemsize
+                leaves.append(flat[offset : offset + size].view(dtype).reshape(shape))
+                offset += size
+            else:
+                leaves.append(kind[1])
+        return tree_unflatten(leaves, spec)
+
+
+_NUMBERS = {"int": "q", "float": "d"}  # a number leaf's kind, and its struct format
+
+
+def _kind(leaf: Any) -> Any:
+    """What the header says of a leaf: a tensor's dtype and shape, a number's type (its value travels in
+    the payload), or any other object itself (pickled)."""
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.dtype, tuple(leaf.shape))
+    if isinstance(leaf, int) and not isinstance(leaf, bool):
+        return "int"
+    if isinstance(leaf, float):
+        return "float"
+    if isinstance(leaf, Stop):
+        return ("object", _sendable_stop(leaf))
+    return ("object", leaf)
+
+
+def _sendable_stop(stop: Stop) -> Stop:
+    """``stop`` with its errors (and its next batch's) as they survive pickling."""
+    copy = Stop(stop.here, None if stop.error is None else _sendable(stop.error, dist.get_rank()))
+    copy.first = stop.first
+    if stop.ahead is not None:
+        copy.ahead = _sendable_stop(stop.ahead)
+    return copy
