@@ -59,6 +59,16 @@ def conversations(directory: Path, count: int, mean: int, seed: int = 0) -> Path
     return directory
 
 
+def cache_states(data: Path, width: int) -> HiddenStateFiles:
+    """Random bf16 states ``[T, 3, width]`` cached for every conversation of ``data``: its store."""
+    store = HiddenStateFiles(data / "hidden_states")
+    generator = torch.Generator().manual_seed(0)
+    for row, ids in enumerate(datasets.load_from_disk(str(data))["input_ids"]):
+        hidden = torch.randn(len(ids), 3, width, generator=generator).to(torch.bfloat16)
+        store.cache(row, {"hidden_states": hidden, "token_ids": torch.tensor(ids)})
+    return store
+
+
 def documents(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["document_ids"].amax(dim=1) + 1).sum())
 
@@ -207,12 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         checks[f"in_order=False faster than in_order=True ({gain:.2f}x)"] = gain > 1
 
         cached = conversations(root / "cached", 40 if quick else 200, mean=300, seed=1)
-        store = HiddenStateFiles(cached / "hidden_states")
         width = 256 if quick else 1024
-        generator = torch.Generator().manual_seed(0)
-        for row, ids in enumerate(datasets.load_from_disk(str(cached))["input_ids"]):
-            hidden = torch.randn(len(ids), 3, width, generator=generator).to(torch.bfloat16)
-            store.cache(row, {"hidden_states": hidden, "token_ids": torch.tensor(ids)})
+        store = cache_states(cached, width)
         paths = [store.path(row) for row in range(len(datasets.load_from_disk(str(cached))))]
         file_bytes = warm_page_cache(paths)
         loaders = {w: HiddenStatesDataModule(str(cached), total_seq_len=2048, num_workers=w) for w in (0, 2)}

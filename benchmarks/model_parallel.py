@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -58,9 +57,8 @@ def build(name: str, folder: Path, quick: bool, server: str) -> Any:
 
 def write_data(folder: Path, quick: bool) -> None:
     """Every source's data under ``folder``."""
-    from benchmarks.hidden_states import VOCAB, conversations
+    from benchmarks.hidden_states import VOCAB, cache_states, conversations
     from benchmarks.image_text import write_photos
-    from datamodules.speculative.hidden_states_store import HiddenStateFiles
     from examples.default_conversations import tiny_verifier
     from examples.default_images import train_caption_tokenizer
 
@@ -71,13 +69,7 @@ def write_data(folder: Path, quick: bool) -> None:
     train_caption_tokenizer(captions, folder / "tokenizer")
     tiny_verifier(VOCAB).save_pretrained(folder / "verifier")
     conversations(folder / "generated", 40 if quick else 100, mean=300, seed=2)
-    cached = conversations(folder / "conversations", 40 if quick else 200, mean=300)
-    store = HiddenStateFiles(cached / "hidden_states")
-    width = 256 if quick else 1024
-    generator = torch.Generator().manual_seed(0)
-    for row, ids in enumerate(datasets.load_from_disk(str(cached))["input_ids"]):
-        hidden = torch.randn(len(ids), 3, width, generator=generator).to(torch.bfloat16)
-        store.cache(row, {"hidden_states": hidden, "token_ids": torch.tensor(ids)})
+    cache_states(conversations(folder / "conversations", 40 if quick else 200, mean=300), 256 if quick else 1024)
 
 
 def nbytes(batch: Any) -> int:

@@ -213,3 +213,14 @@ class S3Proxy:
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
         return Handler
+
+
+@contextmanager
+def proxied_bucket(endpoint: str, bucket: str) -> Iterator[S3Proxy]:
+    """``bucket`` made on the S3 server at ``endpoint``, and a request-counting proxy in front of the server."""
+    create_bucket(endpoint, bucket)
+    proxy = S3Proxy(endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
+from benchmarks.object_store.server import S3Proxy, proxied_bucket, storage_options
 from datamodules import TokenShardDataModule
 from tests.distributed_support import Run, train_record
 from tests.plan.test_distributed import BATCH, SEQ_LEN, WINDOWS, consumed
@@ -39,10 +39,8 @@ def run(data: str | Path, root: Path, *, devices: int, mesh: str | None = None, 
 
 @pytest.fixture(scope="module")
 def proxy(endpoint: str) -> Iterator[S3Proxy]:
-    create_bucket(endpoint, BUCKET)
-    proxy = S3Proxy(endpoint)
-    yield proxy
-    proxy.close()
+    with proxied_bucket(endpoint, BUCKET) as proxy:
+        yield proxy
 
 
 def test_a_tensor_parallel_group_reads_once_and_its_peer_trains_the_same_bytes(

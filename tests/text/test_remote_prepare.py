@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
+from benchmarks.object_store.server import S3Proxy, proxied_bucket, storage_options
 from datamodules import TokenShardDataModule
 from datamodules.text.prepare import main, prepare
 from tests.text.test_prepare import DOCS, jsonl
@@ -24,10 +24,8 @@ BUCKET = "prepared"
 
 @pytest.fixture(scope="module")
 def proxy(endpoint: str) -> Iterator[S3Proxy]:
-    create_bucket(endpoint, BUCKET)
-    proxy = S3Proxy(endpoint)
-    yield proxy
-    proxy.close()
+    with proxied_bucket(endpoint, BUCKET) as proxy:
+        yield proxy
 
 
 def inputs(root: Path) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
+from benchmarks.object_store.server import S3Proxy, proxied_bucket, storage_options
 from datamodules import TokenShardDataModule
 from tests.support import make_token_shards
 
@@ -23,10 +23,8 @@ BUCKET = "once-per-job"
 
 @pytest.fixture(scope="module")
 def proxy(endpoint: str) -> Iterator[S3Proxy]:
-    create_bucket(endpoint, BUCKET)
-    proxy = S3Proxy(endpoint)
-    yield proxy
-    proxy.close()
+    with proxied_bucket(endpoint, BUCKET) as proxy:
+        yield proxy
 
 
 def upload(local: Path, endpoint: str) -> str:
