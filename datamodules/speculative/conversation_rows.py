@@ -116,8 +116,7 @@ class ConversationRows:
         # by each of its ranks and workers (``node_arrays``), under a name for the data and options.
         identity = (dataset._fingerprint, hashlib.blake2b(rows.tobytes()).hexdigest(), sorted(self._packing.items()))
         self.shared_as = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
-        self.rows: np.ndarray | None = rows
-        self.rows, self.packed = self._pack()
+        self.rows, self.packed = self._pack(rows)
         if self.packed.truncated or self.packed.dropped:
             how = "truncated to" if self.packed.truncated else "left out, longer than"
             count = self.packed.truncated or self.packed.dropped
@@ -130,9 +129,9 @@ class ConversationRows:
         self.fingerprint = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
         self.details = {"conversations": len(self.rows), "total_seq_len": total_seq_len}
 
-    def _pack(self) -> tuple[np.ndarray, PackedRows]:
-        """The dataset rows and their packing, mapped from the node's arrays."""
-        rows = self.rows
+    def _pack(self, rows: np.ndarray | None) -> tuple[np.ndarray, PackedRows]:
+        """The dataset rows and their packing, mapped from the node's arrays (made from ``rows`` where
+        the node has none; a worker that received no rows finds them there)."""
 
         def make() -> dict[str, np.ndarray]:
             if rows is None:
@@ -146,7 +145,7 @@ class ConversationRows:
     def mapped(self) -> PackedRows:
         """The packing, mapped again in a worker (which receives none)."""
         if self.packed is None:
-            self.rows, self.packed = self._pack()
+            self.rows, self.packed = self._pack(self.rows)
         return self.packed
 
     def __getstate__(self) -> dict[str, Any]:

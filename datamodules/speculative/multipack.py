@@ -10,7 +10,6 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -20,8 +19,7 @@ from torch.utils.data import DistributedSampler
 from datamodules.plan.arguments import require_int
 from datamodules.plan.permutation import mix64
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan
-from datamodules.storage.locations import default_cache_dir
-from datamodules.storage.node_arrays import drop_node_arrays, node_arrays
+from datamodules.storage.node_arrays import drop_node_arrays, node_array_names, node_arrays
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +231,10 @@ class PackedRows:
 
     def _packing_of(self, pass_: int) -> dict[str, np.ndarray]:
         if self.shared_as is not None:  # the node's older passes go: a loader reads at most two at once
-            for folder in Path(default_cache_dir(NODE_KIND), self.shared_as).glob("pass-*"):
-                if int(folder.name.removeprefix("pass-")) < pass_ - 1:
-                    drop_node_arrays(NODE_KIND, f"{self.shared_as}/{folder.name}")
+            for name in node_array_names(NODE_KIND, self.shared_as):
+                _, _, last = name.rpartition("/")
+                if last.startswith("pass-") and int(last.removeprefix("pass-")) < pass_ - 1:
+                    drop_node_arrays(NODE_KIND, name)
         key = mix64(np.array([self.seed], dtype=np.uint64) ^ mix64(np.array([pass_ + 1], dtype=np.uint64)))
         tie_keys = mix64(np.arange(len(self._units), dtype=np.uint64) ^ key)
         row_of, num_rows = best_fit_decreasing(self._units, self._capacity, tie_keys)

@@ -58,6 +58,14 @@ def is_mapped(array: np.ndarray | None) -> bool:
     return array is not None and isinstance(array.base, np.memmap)
 
 
+def node_array_names(kind: str, folder: str) -> list[str]:
+    """The names (``folder/<name>``) of the arrays the node holds under ``folder``, partial ones aside."""
+    parent = Path(default_cache_dir(kind)) / folder
+    if not parent.is_dir():
+        return []
+    return [f"{folder}/{path.name}" for path in parent.iterdir() if path.is_dir() and not path.name.startswith(".")]
+
+
 def drop_node_arrays(kind: str, name: str) -> None:
     """Remove ``name``'s arrays from the node's cache (a process mapping them keeps its map)."""
     folder = Path(default_cache_dir(kind)) / name

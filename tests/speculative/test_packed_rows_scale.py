@@ -19,8 +19,8 @@ import torch
 
 from benchmarks.common import tiny_conversations
 from datamodules.speculative.conversation_rows import ConversationRows
-from datamodules.speculative.multipack import PackedRows
-from datamodules.storage.node_arrays import is_mapped
+from datamodules.speculative.multipack import NODE_KIND, PackedRows
+from datamodules.storage.node_arrays import is_mapped, node_array_names
 
 CONVERSATIONS = 1_000_000
 ROW = 64  # tokens per packed row
@@ -117,3 +117,6 @@ def test_the_nodes_packing_is_the_one_a_process_computes_alone(million: Path) ->
     for pass_ in (0, 1, 2):
         for row in (0, 12_345, len(alone) - 1):
             assert rows.packed.row(pass_, row).tolist() == alone.row(pass_, row).tolist()
+    # Making pass 2 dropped pass 0 from the node: a loader reads at most two passes at once.
+    held = sorted(name.rpartition("/")[2] for name in node_array_names(NODE_KIND, rows.shared_as))
+    assert held == ["base", "pass-1", "pass-2", "rows"]
