@@ -222,6 +222,38 @@ def in_processes_at_once(work: Callable[..., float], args: tuple[Any, ...], proc
     return sum(started_together(work, [args] * processes))
 
 
+def gloo_ranks(target: Callable[..., None], args: tuple[Any, ...], ranks: int = 2) -> Any:
+    """``target(rank, port, *args, results)`` in ``ranks`` spawned processes that meet on a free loopback
+    ``port``: the first value a rank puts on the queue ``results``, or an error as soon as a rank has
+    died without one (the others are killed then, not left waiting for it)."""
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(rank, port, *args, results)) for rank in range(ranks)]
+    for process in processes:
+        process.start()
+    while True:
+        try:
+            value = results.get(timeout=1)
+            break
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                for process in processes:
+                    process.kill()
+                raise RuntimeError(f"a rank failed (exit codes {dead}); its traceback is above") from None
+    for process in processes:
+        process.join()
+    return value
+
+
 def tiny_shards(folder: Path, shards: int, per_shard: int) -> list[Path]:
     """``shards`` tars of ``per_shard`` samples each, written fast (a million samples in seconds: the
     headers stamped on a template by numpy): sample ``n`` is one member, ``{n:07d}.txt`` holding

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -29,9 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import add_run_arguments, data_directory, report, results_directory, write_token_shards
+from benchmarks.common import (
+    add_run_arguments,
+    data_directory,
+    gloo_ranks,
+    report,
+    results_directory,
+    write_token_shards,
+)
 
 SOURCES = ("token shards", "image-text", "hidden-state rows", "hidden states generated on demand")
 
@@ -125,21 +130,6 @@ def _rank(rank: int, port: int, folder: str, server: str, batches: int, rounds: 
     dist.destroy_process_group()
 
 
-def wait_for(results: Any, processes: list[Any]) -> Any:
-    """The ranks' results, or an error as soon as a rank has died without giving them."""
-    import queue
-
-    while True:
-        try:
-            return results.get(timeout=1)
-        except queue.Empty:
-            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if dead:
-                for process in processes:
-                    process.kill()
-                raise RuntimeError(f"a rank failed (exit codes {dead}); its traceback is above") from None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
@@ -147,23 +137,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     batches, rounds = (4, 1) if args.quick else (args.batches, args.rounds)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     from benchmarks.hidden_states import Server
 
     with data_directory(args.data_dir) as folder:
         write_data(folder, args.quick)
         with Server(folder / "verifier", folder / "served", "--delay", "0.05") as server:  # 50 ms a request
-            context = mp.get_context("spawn")
-            results = context.Queue()
-            arguments = (port, str(folder), server.url, batches, rounds, args.quick, results)
-            processes = [context.Process(target=_rank, args=(r, *arguments)) for r in range(2)]
-            for process in processes:
-                process.start()
-            leader, peer = wait_for(results, processes)
-            for process in processes:
-                process.join()
+            leader, peer = gloo_ranks(_rank, (str(folder), server.url, batches, rounds, args.quick))
     rows, checks = [], {}
     for name in SOURCES:
         read, wait = leader[name]["read_s"], peer[name]["wait_s"]

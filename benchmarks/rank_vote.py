@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import add_run_arguments, report, results_directory
+from benchmarks.common import add_run_arguments, gloo_ranks, report, results_directory
 
 
 def _steps(batches: int, vote: bool) -> float:
@@ -64,17 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     batches, rounds = (500, 2) if args.quick else (args.batches, args.rounds)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_rank, args=(r, port, batches, rounds, results)) for r in range(2)]
-    for process in processes:
-        process.start()
-    timings = results.get(timeout=600)
-    for process in processes:
-        process.join()
+    timings = gloo_ranks(_rank, (batches, rounds))
     base, voted = timings["without the vote"], timings["with the vote"]
     rows = [
         {"loop": "step: 256x256 matmul + 256 KB gradient all-reduce", "us per batch": base},
