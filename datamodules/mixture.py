@@ -82,7 +82,8 @@ class MixtureDataModule(PlanDataModule):
         pack_sequences: document-aware batches (see ``TokenShardDataModule``).
         allow_mixed_tokenizers: mix sources whose metadata names different tokenizers or EOS
             ids; by default that is refused, since the same id would mean different tokens.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within,
+            split_sequence_for, sequence_split: see
             ``PlanDataModule``.
 
     Example::
@@ -107,6 +108,8 @@ class MixtureDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
     ) -> None:
         super().__init__(
             batch_size,
@@ -116,6 +119,8 @@ class MixtureDataModule(PlanDataModule):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
             broadcast_within=broadcast_within,
+            split_sequence_for=split_sequence_for,
+            sequence_split=sequence_split,
         )
         require_int("seq_len", seq_len, 1)
         if not sources:
@@ -172,6 +177,9 @@ class MixtureDataModule(PlanDataModule):
         self.phase_weights = schedule
         if self.sources is not None:
             self.check_global_batch()
+
+    def sequence_length(self) -> int:
+        return self.seq_len
 
     def source_specs(self) -> list[SourceSpec]:
         return [c.source for c in self.components]

@@ -29,6 +29,7 @@ from datamodules.plan.model_parallel import BroadcastGroup, BroadcastLoader, bro
 from datamodules.plan.parallelism import Job, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
+from datamodules.plan.sequence_split import SequenceSplit
 from datamodules.plan.stopping import STOP, RankVote
 from datamodules.plan.stream import Stream, StreamTraining, gathered
 from datamodules.plan.trained_spans import TrainedSpans
@@ -67,6 +68,15 @@ class PlanDataModule(LightningDataModule):
             (its loader alone starts workers), and sends each batch to the others over a gloo group.
             The data order, the state and resume are the same with or without it. Default ``None``:
             every rank reads its own batches.
+        split_sequence_for: the dimension(s) of the device mesh whose ranks each train on a share of
+            every row of one batch (``"context_parallel"``): the group's first rank reads, as with
+            ``broadcast_within``, and every rank keeps its share of the per-token tensors
+            (``sequence_split.py``), with ``sequence_index`` (the row positions it holds) and
+            ``full_seq_len``; ``document_ids`` and ``cu_seqlens`` stay whole. Text, conversation and
+            hidden-state batches only; the rows' length must split into equal chunks.
+        sequence_split: how a row is shared: ``"head_tail"`` (chunks ``r`` and ``2C - 1 - r`` of
+            ``2C``, balanced for ring attention under a causal mask) or ``"contiguous"`` (chunk ``r``
+            of ``C``, for Ulysses all-to-all attention).
     """
 
     def __init__(
@@ -79,6 +89,8 @@ class PlanDataModule(LightningDataModule):
         prefetch_factor: int | None = None,
         in_order: bool = True,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
     ) -> None:
         super().__init__()
         self.batch_size = require_int("batch_size", batch_size, 1)
@@ -93,12 +105,14 @@ class PlanDataModule(LightningDataModule):
                 "in_order=False hands over batches as worker processes finish them; it needs num_workers > 0"
             )
         self.in_order = in_order
-        if broadcast_within is not None and not (
-            isinstance(broadcast_within, str)
-            or (isinstance(broadcast_within, (list, tuple)) and all(isinstance(d, str) for d in broadcast_within))
-        ):
-            raise ValueError(f"broadcast_within names mesh dimensions (a name or a list), got {broadcast_within!r}")
-        self.broadcast_within = broadcast_within
+        for option, dims in (("broadcast_within", broadcast_within), ("split_sequence_for", split_sequence_for)):
+            if dims is not None and not (
+                isinstance(dims, str) or (isinstance(dims, (list, tuple)) and all(isinstance(d, str) for d in dims))
+            ):
+                raise ValueError(f"{option} names mesh dimensions (a name or a list), got {dims!r}")
+        SequenceSplit(0, 1, sequence_split)  # a layout it knows
+        self.broadcast_within, self.split_sequence_for = broadcast_within, split_sequence_for
+        self.sequence_split = sequence_split
         self._broadcast: BroadcastGroup | None = None
         self.allow_plan_change = allow_plan_change
         self.pin_memory = pin_memory
@@ -225,7 +239,7 @@ class PlanDataModule(LightningDataModule):
                 for name, train, _ in parts
             ]
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
-        if self.broadcast_within is not None and self._broadcast is None:
+        if (self.broadcast_within or self.split_sequence_for) is not None and self._broadcast is None:
             self._broadcast = self._broadcast_group()
         if self._stream is None:
             self.check_global_batch()
@@ -233,17 +247,25 @@ class PlanDataModule(LightningDataModule):
             self.load_state_dict(self._pending_state)
 
     def _broadcast_group(self) -> BroadcastGroup | None:
-        """This rank's group of ``broadcast_within``, its ranks checked to share a data-parallel rank."""
-        group = broadcast_groups(self.trainer, self.broadcast_within)
+        """This rank's group of ``broadcast_within`` and ``split_sequence_for``, its ranks checked to share a
+        data-parallel rank, its rows checked to split."""
+        if self.split_sequence_for is not None and self.sequence_length() is None:
+            raise ValueError(
+                f"split_sequence_for={self.split_sequence_for!r}: {type(self).__name__}'s batches hold no rows "
+                "of tokens to split; a vision-language model splits its sequence after merging the images' features"
+            )
+        group = broadcast_groups(self.trainer, self.broadcast_within, self.split_sequence_for, self.sequence_split)
         if group is None:
             return None
+        if group.split is not None:
+            group.split.check(self.sequence_length(), "seq_len" if hasattr(self, "seq_len") else "total_seq_len")
         import torch.distributed as dist
 
         dp_ranks: list[Any] = [None] * len(group.ranks)
         dist.all_gather_object(dp_ranks, self.dp_rank, group=group.group)
         if len(set(dp_ranks)) > 1:
             raise ValueError(
-                f"{type(self).__name__}(broadcast_within={self.broadcast_within!r}): ranks {list(group.ranks)} "
+                f"{type(self).__name__}: ranks {list(group.ranks)} "
                 f"share batches but have data-parallel ranks {dp_ranks}; the strategy's "
                 "distributed_sampler_kwargs must give the ranks of a model-parallel group one data-parallel rank"
             )
@@ -473,6 +495,11 @@ class PlanDataModule(LightningDataModule):
         loader.stop_together = getattr(self.trainer, "world_size", 1) > 1
         self._loaders.add(loader)
         return loader
+
+    def sequence_length(self) -> int | None:
+        """The tokens of every row of a batch (what ``split_sequence_for`` cuts); ``None`` where batches
+        hold no such rows."""
+        return None
 
     def source_weights(self) -> list[float] | None:
         """Each source's share of the samples at the current step (a mixture's); ``None``: one source."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from datamodules.plan.parallelism import _sendable
+from datamodules.plan.sequence_split import SequenceSplit
 from datamodules.plan.stopping import Stop
 
 _SAME, _NEW, _END = 0, 1, 2  # what follows a batch's first message
@@ -36,11 +37,13 @@ _SAME, _NEW, _END = 0, 1, 2  # what follows a batch's first message
 
 @dataclass(frozen=True)
 class BroadcastGroup:
-    """This rank's group: a gloo process group over ``ranks`` (global ranks), led by ``ranks[0]``."""
+    """This rank's group: a gloo process group over ``ranks`` (global ranks), led by ``ranks[0]``;
+    ``split`` cuts each batch's rows for this rank (context parallelism), or ``None``."""
 
     group: Any
     ranks: tuple[int, ...]
     rank: int  # this process's global rank
+    split: SequenceSplit | None = None
 
     @property
     def leader(self) -> int:
@@ -51,42 +54,57 @@ class BroadcastGroup:
         return self.rank == self.leader
 
 
-def broadcast_groups(trainer: Any, dims: str | list[str] | tuple[str, ...]) -> BroadcastGroup | None:
-    """The group of this rank along the device mesh's dimensions ``dims`` (one gloo group made per set of
-    ranks that differ only along them, on every rank, as ``new_group`` requires); ``None`` when every
-    such group holds one rank. The strategy must expose a ``device_mesh`` with those dimension names."""
-    names = [dims] if isinstance(dims, str) else list(dims)
+def broadcast_groups(
+    trainer: Any, dims: str | list[str] | tuple[str, ...], split: str | list[str] | tuple[str, ...] = (),
+    layout: str = "head_tail",
+) -> BroadcastGroup | None:  # fmt: skip
+    """The group of this rank along the device mesh's dimensions ``dims`` and ``split`` (one gloo group
+    made per set of ranks that differ only along them, on every rank, as ``new_group`` requires);
+    ``None`` when every such group holds one rank. The ranks along ``split`` each take a share of
+    every row (``SequenceSplit`` with ``layout``), by their place along those dimensions. The strategy
+    must expose a ``device_mesh`` with those dimension names."""
+    shared, cut = _names(dims), _names(split)
+    names = [name for name in shared if name not in cut] + cut
+    option = " and ".join(f"{o}={v!r}" for o, v in (("broadcast_within", dims), ("split_sequence_for", split)) if v)
     strategy = getattr(trainer, "strategy", None)
     mesh = getattr(strategy, "device_mesh", None)
     if mesh is None:
         raise ValueError(
-            f"broadcast_within={dims!r} names dimensions of the strategy's device mesh, but "
+            f"{option} names dimensions of the strategy's device mesh, but "
             f"{type(strategy).__name__} has none: use ModelParallelStrategy, or a strategy with a "
             "`device_mesh` (torch.distributed.device_mesh.DeviceMesh) whose dimensions are named"
         )
     known = list(mesh.mesh_dim_names or ())
     unknown = [name for name in names if name not in known]
-    if unknown or len(set(names)) != len(names):
-        raise ValueError(f"broadcast_within={dims!r}: the device mesh's dimensions are {known}")
+    if unknown or len(set(shared)) != len(shared) or len(set(cut)) != len(cut):
+        raise ValueError(f"{option}: the device mesh's dimensions are {known}")
     if "data_parallel" in names or "dp" in names:
-        raise ValueError(f"broadcast_within={dims!r} would give data-parallel ranks the same batches")
-    layout = mesh.mesh  # global ranks, one axis per dimension
+        raise ValueError(f"{option} would give data-parallel ranks the same batches")
+    layout_ranks = mesh.mesh  # global ranks, one axis per dimension
     moved = [known.index(name) for name in names]
     kept = [i for i in range(len(known)) if i not in moved]
-    size = math.prod(layout.shape[i] for i in moved)
-    sets = layout.permute(kept + moved).reshape(-1, size).tolist()
+    size = math.prod(layout_ranks.shape[i] for i in moved)
+    sets = layout_ranks.permute(kept + moved).reshape(-1, size).tolist()
     if size == 1:
         return None
     group, _ = dist.new_subgroups_by_enumeration(sets, backend="gloo")
     rank = dist.get_rank()
     ranks = next(tuple(s) for s in sets if rank in s)
-    return BroadcastGroup(group, ranks, rank)
+    cut_size = math.prod(layout_ranks.shape[known.index(name)] for name in cut)
+    # The split dimensions vary fastest along a set: a rank's place among them is its place mod their size.
+    sequence = SequenceSplit(ranks.index(rank) % cut_size, cut_size, layout) if cut_size > 1 else None
+    return BroadcastGroup(group, ranks, rank, sequence)
+
+
+def _names(dims: str | list[str] | tuple[str, ...]) -> list[str]:
+    return [dims] if isinstance(dims, str) else list(dims or ())
 
 
 class BroadcastLoader:
     """``loader`` for the ranks of ``group``: its first rank iterates ``loader`` and sends each batch to
     the others, which yield what they receive and never iterate their own ``loader`` (kept for its
-    length and its sampler, which the Trainer and the DataModule read on every rank alike)."""
+    length and its sampler, which the Trainer and the DataModule read on every rank alike). Where the
+    group splits sequences, every rank (the first too) yields its share of each batch."""
 
     def __init__(self, loader: Any, group: BroadcastGroup) -> None:
         self.loader, self.broadcast = loader, group
@@ -106,7 +124,9 @@ class BroadcastLoader:
             setattr(self.loader, name, value)
 
     def __iter__(self) -> Iterator[Any]:
-        return self._lead() if self.broadcast.leads else self._follow()
+        batches = self._lead() if self.broadcast.leads else self._follow()
+        split = self.broadcast.split
+        return batches if split is None else map(split, batches)
 
     def _lead(self) -> Iterator[Any]:
         # Only an iteration that ends says so: one the Trainer leaves (max_steps, a sanity check's few

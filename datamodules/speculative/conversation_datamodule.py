@@ -28,7 +28,8 @@ class ConversationDataModule(PlanDataModule):
             cache_dir, num_proc: see ``ConversationSource``.
         total_seq_len: tokens per packed row.
         batch_size: rows per data-parallel rank per micro-batch.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within,
+            split_sequence_for, sequence_split: see
             ``PlanDataModule``.
 
     Example::
@@ -63,6 +64,8 @@ class ConversationDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
         in_order: bool = True,
     ) -> None:
         super().__init__(
@@ -73,6 +76,8 @@ class ConversationDataModule(PlanDataModule):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
             broadcast_within=broadcast_within,
+            split_sequence_for=split_sequence_for,
+            sequence_split=sequence_split,
             in_order=in_order,
         )
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
@@ -84,6 +89,9 @@ class ConversationDataModule(PlanDataModule):
         self.save_hyperparameters()
 
     test_options = "give it test_fraction or test_split"
+
+    def sequence_length(self) -> int:
+        return self.total_seq_len
 
     def source_specs(self) -> list[ConversationSource]:
         return [self.source]

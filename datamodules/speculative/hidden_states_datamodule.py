@@ -94,7 +94,8 @@ class HiddenStatesDataModule(PlanDataModule):
             default ``None``: spawn when this process has initialised CUDA or holds a client of the
             generation server (threads and connections a fork could deadlock on), else fork, which
             starts in a fraction of a second where spawn takes many.
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, in_order, broadcast_within,
+            split_sequence_for, sequence_split: see
             ``PlanDataModule`` (``in_order=False`` keeps one slow fetch from stalling the rank).
 
     Example::
@@ -131,6 +132,8 @@ class HiddenStatesDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
         in_order: bool = True,
     ) -> None:
         super().__init__(
@@ -141,6 +144,8 @@ class HiddenStatesDataModule(PlanDataModule):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
             broadcast_within=broadcast_within,
+            split_sequence_for=split_sequence_for,
+            sequence_split=sequence_split,
             in_order=in_order,
         )
         self.data_dir = str(data_dir)
@@ -181,6 +186,9 @@ class HiddenStatesDataModule(PlanDataModule):
         self.hparams["server"] = asdict(server) if server is not None else None
 
     test_options = "give it test_ratio (its held-out rows' last part)"
+
+    def sequence_length(self) -> int:
+        return self.total_seq_len
 
     def spawn_reasons(self) -> list[str]:
         reasons = ["CUDA is initialised in this process"] if torch.cuda.is_initialized() else []

@@ -196,7 +196,8 @@ class HFTextDataModule(PlanDataModule):
             workers, and refused on another. Training needs ``max_steps`` or ``steps_per_epoch``.
         shuffle_rows: with ``streaming``, rows read in one seeded order within a unit.
         steps_per_epoch: with ``streaming``, optimizer steps per epoch (default: one endless epoch).
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within,
+            split_sequence_for, sequence_split: see
             ``PlanDataModule``.
 
     Example::
@@ -234,6 +235,8 @@ class HFTextDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
         test_split: str | None = None,
         test_fraction: float = 0.0,
     ) -> None:
@@ -245,6 +248,8 @@ class HFTextDataModule(PlanDataModule):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
             broadcast_within=broadcast_within,
+            split_sequence_for=split_sequence_for,
+            sequence_split=sequence_split,
         )
         self.seq_len = require_int("seq_len", seq_len, 1)
         self.pack_sequences = pack_sequences
@@ -275,6 +280,9 @@ class HFTextDataModule(PlanDataModule):
             test_fraction=test_fraction,
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
+
+    def sequence_length(self) -> int:
+        return self.seq_len
 
     def source_specs(self) -> list[HFTextSource]:
         return [] if self.streaming else [self.source]

@@ -32,7 +32,8 @@ class TokenShardDataModule(PlanDataModule):
         prefetch_steps: for a URL, micro-batches whose windows are requested in one round of
             concurrent range requests, the next round while the current one trains.
         io_threads: for a URL, range requests in flight at once per process (main or worker).
-        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
+        seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within,
+            split_sequence_for, sequence_split: see
             ``PlanDataModule``.
 
     Example::
@@ -56,6 +57,8 @@ class TokenShardDataModule(PlanDataModule):
         pin_memory: bool | None = None,
         prefetch_factor: int | None = None,
         broadcast_within: str | list[str] | None = None,
+        split_sequence_for: str | list[str] | None = None,
+        sequence_split: str = "head_tail",
         storage_options: dict[str, Any] | None = None,
         prefetch_steps: int = PREFETCH_STEPS,
         io_threads: int = IO_THREADS,
@@ -70,6 +73,8 @@ class TokenShardDataModule(PlanDataModule):
             pin_memory=pin_memory,
             prefetch_factor=prefetch_factor,
             broadcast_within=broadcast_within,
+            split_sequence_for=split_sequence_for,
+            sequence_split=sequence_split,
         )
         require_int("seq_len", seq_len, 1)
         self.source = TokenShardSource(
@@ -81,6 +86,9 @@ class TokenShardDataModule(PlanDataModule):
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
         self.seq_len = seq_len
         self.pack_sequences = pack_sequences
+
+    def sequence_length(self) -> int:
+        return self.seq_len
 
     def source_specs(self) -> list[TokenShardSource]:
         return [self.source]

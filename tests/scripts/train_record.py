@@ -102,15 +102,19 @@ class MeshDDPStrategy(DDPStrategy):
     view the sampler sees, as ``ModelParallelStrategy`` gives it (that strategy trains on GPUs only):
     the shape of a tensor-parallel job, trained on CPU."""
 
-    def __init__(self, data_parallel_size: int, tensor_parallel_size: int, global_sampler: bool = False) -> None:
+    def __init__(
+        self, data_parallel_size: int, tensor_parallel_size: int, global_sampler: bool = False,
+        model_parallel_name: str = "tensor_parallel",
+    ) -> None:  # fmt: skip
         super().__init__()
         self.sizes = (data_parallel_size, tensor_parallel_size)
+        self.names = ("data_parallel", model_parallel_name)  # "context_parallel": the shape of a CP job
         self.device_mesh = None
         self.global_sampler = global_sampler  # DDP's view (a rank each) in place of the mesh's: a wrong strategy
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self.device_mesh = init_device_mesh("cpu", self.sizes, mesh_dim_names=("data_parallel", "tensor_parallel"))
+        self.device_mesh = init_device_mesh("cpu", self.sizes, mesh_dim_names=self.names)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
