@@ -249,11 +249,6 @@ class PlanDataModule(LightningDataModule):
     def _broadcast_group(self) -> BroadcastGroup | None:
         """This rank's group of ``broadcast_within`` and ``split_sequence_for``, its ranks checked to share a
         data-parallel rank, its rows checked to split."""
-        if self.split_sequence_for is not None and self.sequence_length() is None:
-            raise ValueError(
-                f"split_sequence_for={self.split_sequence_for!r}: {type(self).__name__}'s batches hold no rows "
-                "of tokens to split; a vision-language model splits its sequence after merging the images' features"
-            )
         group = broadcast_groups(self.trainer, self.broadcast_within, self.split_sequence_for, self.sequence_split)
         if group is None:
             return None
@@ -496,10 +491,9 @@ class PlanDataModule(LightningDataModule):
         self._loaders.add(loader)
         return loader
 
-    def sequence_length(self) -> int | None:
-        """The tokens of every row of a batch (what ``split_sequence_for`` cuts); ``None`` where batches
-        hold no such rows."""
-        return None
+    def sequence_length(self) -> int:
+        """The tokens of every row of a batch: what ``split_sequence_for`` cuts, in the families that take it."""
+        raise NotImplementedError(f"{type(self).__name__} batches hold no rows of tokens to split")
 
     def source_weights(self) -> list[float] | None:
         """Each source's share of the samples at the current step (a mixture's); ``None``: one source."""
