@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from datamodules.plan.arguments import require_int
 from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
-from datamodules.plan.model_parallel import BroadcastGroup, BroadcastLoader, broadcast_groups
+from datamodules.plan.model_parallel import BATCHES_AHEAD, BroadcastGroup, BroadcastLoader, broadcast_groups
 from datamodules.plan.parallelism import Job, data_parallel_rank_and_size
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
@@ -383,7 +383,7 @@ class PlanDataModule(LightningDataModule):
             dataset.tag_positions = True
         self._align_epoch_progress()
         self._log_summary(steps_per_epoch)
-        return self._loader(dataset, self._sampler)
+        return self._loader(dataset, self._sampler, ahead=BATCHES_AHEAD)
 
     @property
     def _known_epoch_end(self) -> int | None:
@@ -450,7 +450,7 @@ class PlanDataModule(LightningDataModule):
             **self._loader_options(),
         )
         self._log_summary(steps)
-        return self._stopping_together(loader)
+        return self._stopping_together(loader, ahead=BATCHES_AHEAD)
 
     def _loader_options(self) -> dict[str, Any]:
         pin = self.pin_memory
@@ -470,7 +470,7 @@ class PlanDataModule(LightningDataModule):
         their files and clients in each worker)."""
         return []
 
-    def _loader(self, dataset: PlanDataset, sampler: PlanSampler) -> PlanDataLoader:
+    def _loader(self, dataset: PlanDataset, sampler: PlanSampler, ahead: int = 0) -> PlanDataLoader:
         options = self._loader_options()
         method = None
         if self.num_workers > 0:
@@ -478,15 +478,16 @@ class PlanDataModule(LightningDataModule):
         return self._stopping_together(
             PlanDataLoader(
                 dataset, sampler, self.num_workers, multiprocessing_context=method, in_order=self.in_order, **options
-            )
+            ),
+            ahead,
         )
 
-    def _stopping_together(self, loader: Any) -> Any:
+    def _stopping_together(self, loader: Any, ahead: int = 0) -> Any:
         """On several ranks, a loader's failure becomes a stop every rank votes on (``stopping.py``);
-        with ``broadcast_within``, the group's first rank alone reads (``model_parallel.py``); every
-        loader made is closed at ``teardown``."""
+        with ``broadcast_within``, the group's first rank alone reads (``model_parallel.py``), training
+        batches ``ahead`` of the step; every loader made is closed at ``teardown``."""
         if self._broadcast is not None:
-            loader = BroadcastLoader(loader, self._broadcast)
+            loader = BroadcastLoader(loader, self._broadcast, ahead)
         loader.stop_together = getattr(self.trainer, "world_size", 1) > 1
         self._loaders.add(loader)
         return loader

@@ -3,11 +3,12 @@
 Under tensor (or context, or sequence) parallelism the ranks of one model-parallel group train on the
 same batch. Reading it on each of them multiplies the reads, the decoding and (for hidden states
 generated on demand) the requests by the group's size. With ``broadcast_within`` a DataModule names
-the dimensions of the strategy's device mesh whose ranks share a batch; ``broadcast_groups`` makes one
-gloo group per set of such ranks (a CPU group: batches are host tensors before the Trainer moves
+the dimensions of the strategy's device mesh whose ranks share a batch; ``broadcast_groups`` makes
+gloo groups per set of such ranks (CPU groups: batches are host tensors before the Trainer moves
 them), and ``BroadcastLoader`` wraps a rank's loader: the group's first rank iterates it and
 broadcasts each batch; the peers never iterate theirs (no worker starts, nothing is read) and yield
-what they receive.
+what they receive. Training batches are read, sent and received on a thread, ``BATCHES_AHEAD``
+batches before the step that takes them, so the transfer overlaps the step.
 
 A batch travels as one byte buffer: its tensors' bytes back to back, its numbers (``int``, ``float``)
 in a small tensor, and its layout (the tree of keys, each tensor's dtype and shape, any other leaf
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import math
 import pickle
+import queue
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,17 +36,24 @@ from datamodules.plan.sequence_split import SequenceSplit
 from datamodules.plan.stopping import Stop
 
 _SAME, _NEW, _END = 0, 1, 2  # what follows a batch's first message
+BATCHES_AHEAD = 2  # training batches a group sends before the step that takes them
 
 
-@dataclass(frozen=True)
+@dataclass
 class BroadcastGroup:
-    """This rank's group: a gloo process group over ``ranks`` (global ranks), led by ``ranks[0]``;
-    ``split`` cuts each batch's rows for this rank (context parallelism), or ``None``."""
+    """This rank's group: gloo process groups over ``ranks`` (global ranks), led by ``ranks[0]``;
+    ``split`` cuts each batch's rows for this rank (context parallelism), or ``None``.
+
+    Training batches cross ``ahead_group`` on a thread of their own, ahead of the step (``active`` is
+    that transfer); validation and test batches cross ``group`` in step with the loop, so a validation
+    in the middle of an epoch never interleaves its messages with the training batches'."""
 
     group: Any
     ranks: tuple[int, ...]
     rank: int  # this process's global rank
     split: SequenceSplit | None = None
+    ahead_group: Any = None
+    active: _Transfer | None = field(default=None, compare=False)
 
     @property
     def leader(self) -> int:
@@ -88,12 +98,13 @@ def broadcast_groups(
     if size == 1:
         return None
     group, _ = dist.new_subgroups_by_enumeration(sets, backend="gloo")
+    ahead_group, _ = dist.new_subgroups_by_enumeration(sets, backend="gloo")
     rank = dist.get_rank()
     ranks = next(tuple(s) for s in sets if rank in s)
     cut_size = math.prod(layout_ranks.shape[known.index(name)] for name in cut)
     # The split dimensions vary fastest along a set: a rank's place among them is its place mod their size.
     sequence = SequenceSplit(ranks.index(rank) % cut_size, cut_size, layout) if cut_size > 1 else None
-    return BroadcastGroup(group, ranks, rank, sequence)
+    return BroadcastGroup(group, ranks, rank, sequence, ahead_group)
 
 
 def _names(dims: str | list[str] | tuple[str, ...]) -> list[str]:
@@ -104,52 +115,151 @@ class BroadcastLoader:
     """``loader`` for the ranks of ``group``: its first rank iterates ``loader`` and sends each batch to
     the others, which yield what they receive and never iterate their own ``loader`` (kept for its
     length and its sampler, which the Trainer and the DataModule read on every rank alike). Where the
-    group splits sequences, every rank (the first too) yields its share of each batch."""
+    group splits sequences, every rank (the first too) yields its share of each batch.
 
-    def __init__(self, loader: Any, group: BroadcastGroup) -> None:
-        self.loader, self.broadcast = loader, group
+    With ``ahead > 0`` (training) the batches are read, sent and received on a thread, up to ``ahead``
+    batches before the loop takes them, so the transfer overlaps the step; with ``0``, in step with the
+    loop. An iteration the loop leaves (``max_steps``, a sanity check's few batches) is ended when the
+    next one starts, or at ``close``: every rank leaves it after the same batch, and its first rank
+    sends the end, so its peers' threads stop too."""
+
+    def __init__(self, loader: Any, group: BroadcastGroup, ahead: int = 0) -> None:
+        self.loader, self.broadcast, self.ahead = loader, group, ahead
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __getattr__(self, name: str) -> Any:  # sampler, stop_together, close: the wrapped loader's
-        if name in ("loader", "broadcast"):
+    def __getattr__(self, name: str) -> Any:  # sampler, stop_together: the wrapped loader's
+        if name in _OWN:
             raise AttributeError(name)
         return getattr(self.loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("loader", "broadcast"):
+        if name in _OWN:
             object.__setattr__(self, name, value)
         else:
             setattr(self.loader, name, value)
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._lead() if self.broadcast.leads else self._follow()
-        split = self.broadcast.split
-        return batches if split is None else map(split, batches)
+        group = self.broadcast
+        channel = _Channel(group.group, group.leader)
+        if self.ahead:
+            batches = self._ahead()
+        else:
+            batches = _lead(self.loader, channel) if group.leads else _follow(channel)
+        return batches if group.split is None else map(group.split, batches)
 
-    def _lead(self) -> Iterator[Any]:
-        # Only an iteration that ends says so: one the Trainer leaves (max_steps, a sanity check's few
-        # batches) is left by every rank of the group after the same batch, and sends nothing more.
-        sender = _Sender(self.broadcast)
-        for batch in self.loader:
+    def _ahead(self) -> Iterator[Any]:
+        # Begins at the first batch asked for (Lightning makes an iterator it never reads, to check
+        # the loader), ending the iteration before it, which the loop left.
+        group = self.broadcast
+        if group.active is not None:
+            group.active.finish()
+        group.active = _Transfer(iter(self.loader) if group.leads else None, group, self.ahead)
+        yield from group.active.batches()
+
+    def close(self) -> None:
+        if self.ahead and self.broadcast.active is not None:
+            self.broadcast.active.finish(timeout=_CLOSE_WAIT_S)
+            self.broadcast.active = None
+        close = getattr(self.loader, "close", None)
+        if close is not None:
+            close()
+
+
+_OWN = ("loader", "broadcast", "ahead")
+_CLOSE_WAIT_S = 30.0  # at teardown: a peer that died must not keep this process from exiting
+
+
+@dataclass(frozen=True)
+class _Channel:
+    group: Any  # a process group
+    leader: int  # the global rank that sends
+
+
+def _lead(batches: Any, channel: _Channel) -> Iterator[Any]:
+    # Only an iteration that ends says so: one the loop leaves is left by every rank of the group after
+    # the same batch, and sends nothing more.
+    sender = _Sender(channel)
+    for batch in batches:
+        sender.send(batch)
+        yield batch
+    sender.end()
+
+
+def _follow(channel: _Channel) -> Iterator[Any]:
+    receiver = _Receiver(channel)
+    while (batch := receiver.receive()) is not None:
+        yield batch
+
+
+class _Transfer:
+    """One training iteration's batches, sent or received on a thread, queued ``ahead`` deep."""
+
+    _DONE = object()
+
+    def __init__(self, batches: Iterator[Any] | None, group: BroadcastGroup, ahead: int) -> None:
+        self.queue: queue.Queue = queue.Queue(ahead)
+        self.leaving = threading.Event()
+        channel = _Channel(group.ahead_group, group.leader)
+        work = (self._send, batches, channel) if batches is not None else (self._receive, channel)
+        self.thread = threading.Thread(target=self._run, args=work, daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[..., None], *args: Any) -> None:
+        try:
+            work(*args)
+            self._put(self._DONE)
+        except BaseException as error:  # raised where the loop takes its next batch
+            self._put(_Failed(error))
+
+    def _send(self, batches: Iterator[Any], channel: _Channel) -> None:
+        sender = _Sender(channel)
+        for batch in batches:
             sender.send(batch)
-            yield batch
+            if not self._put(batch):
+                break  # the loop left: the peers hear the end, and drop what they received past it
         sender.end()
 
-    def _follow(self) -> Iterator[Any]:
-        receiver = _Receiver(self.broadcast)
+    def _receive(self, channel: _Channel) -> None:
+        receiver = _Receiver(channel)
         while (batch := receiver.receive()) is not None:
-            yield batch
+            self._put(batch)
+
+    def _put(self, item: Any) -> bool:
+        """Queues ``item`` unless the loop left this iteration (then ``False``)."""
+        while not self.leaving.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def batches(self) -> Iterator[Any]:
+        while (item := self.queue.get()) is not self._DONE:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Ends the iteration the loop left: the thread stops once its group heard the end."""
+        self.leaving.set()
+        self.thread.join(timeout)
 
 
-def _bcast(tensor: torch.Tensor, group: BroadcastGroup) -> None:
-    dist.broadcast(tensor, src=group.leader, group=group.group)
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def _bcast(tensor: torch.Tensor, channel: _Channel) -> None:
+    dist.broadcast(tensor, src=channel.leader, group=channel.group)
 
 
 class _Sender:
-    def __init__(self, group: BroadcastGroup) -> None:
-        self.group, self.header = group, b""
+    def __init__(self, channel: _Channel) -> None:
+        self.group, self.header = channel, b""
 
     def send(self, batch: Any) -> None:
         leaves, spec = tree_flatten(batch)
@@ -173,8 +283,8 @@ class _Sender:
 
 
 class _Receiver:
-    def __init__(self, group: BroadcastGroup) -> None:
-        self.group, self.layout = group, None
+    def __init__(self, channel: _Channel) -> None:
+        self.group, self.layout = channel, None
 
     def receive(self) -> Any:
         """The next batch, or ``None`` at the end of the leader's iteration."""

@@ -99,7 +99,7 @@ def train(root: Path, data: Path, cp: int, layout: str = "head_tail", seq_len: i
     """``context_parallel.py`` as a job of ``cp`` ranks; each rank's records."""
     out = root / "records"
     cmd = [sys.executable, str(REPO / "tests" / "scripts" / "context_parallel.py"), "--data", str(data)]
-    cmd += ["--seq-len", str(seq_len), "--batch-size", str(BATCH), "--vocab", str(10 * SEQ_LEN), "--cp", str(cp)]
+    cmd += ["--seq-len", str(seq_len), "--batch-size", str(BATCH), "--vocab", str(20 * SEQ_LEN), "--cp", str(cp)]
     cmd += ["--sequence-split", layout, "--workers", str(workers), "--max-steps", str(STEPS), "--out", str(out)]
     failing = seq_len % (2 * cp) != 0
     run_processes([(cmd, launch_env(free_port()))], root / "logs", (lambda: True) if failing else None)
@@ -109,12 +109,17 @@ def train(root: Path, data: Path, cp: int, layout: str = "head_tail", seq_len: i
 
 
 def test_a_context_parallel_job_trains_each_rank_on_its_share_with_the_loss_of_whole_rows(tmp_path: Path) -> None:
-    data = make_token_shards(tmp_path / "data", 8 * SEQ_LEN + 1, shard_tokens=64, doc_len=5)
+    data = make_token_shards(tmp_path / "data", 16 * SEQ_LEN + 1, shard_tokens=64, doc_len=5)
     (whole,) = train(tmp_path / "whole", data, cp=1)
+    # Validated before training (its first batch), at step 2 (both batches) and at step 4 (both).
+    assert [(r["stage"], r["step"]) for r in whole if r["stage"] == "validation"] == [("validation", 0)] + [
+        ("validation", step) for step in (2, 2, 4, 4)
+    ]
+    assert len(whole) == 5 + STEPS
     for layout, workers in (("head_tail", 0), ("contiguous", 2)):
         ranks = train(tmp_path / layout, data, cp=2, layout=layout, workers=workers)
-        assert [len(records) for records in ranks] == [STEPS, STEPS]
         for rank, records in enumerate(ranks):
+            assert [(r["stage"], r["step"]) for r in records] == [(r["stage"], r["step"]) for r in whole]
             for step, (share, reference) in enumerate(zip(records, whole, strict=True)):
                 index = head_tail(SEQ_LEN, 2, rank) if layout == "head_tail" else list(range(rank * 8, rank * 8 + 8))
                 assert share["sequence_index"] == index

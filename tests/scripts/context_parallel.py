@@ -12,8 +12,12 @@ row position (causal) and ``document_ids`` (kept whole on every rank). Each rank
 label count are summed over the group, so every rank records the loss of the whole batch. The
 learning rate is 0: every step sees the initial weights, so steps compare one for one.
 
-Each rank writes ``{out}.rank{global_rank}``: per step, the loss and the batch's ``input_ids``,
-``labels``, ``position_ids``, ``document_ids`` and ``sequence_index``.
+A quarter of the windows is held out and validated every 2 steps (in the middle of the epoch) and
+once, on its first batch only, before training (Lightning's sanity check).
+
+Each rank writes ``{out}.rank{global_rank}``: per batch trained or validated, the stage, the step, the
+loss and the batch's ``input_ids``, ``labels``, ``position_ids``, ``document_ids`` and
+``sequence_index``.
 """
 
 from __future__ import annotations
@@ -61,6 +65,12 @@ class GatheredAttentionLM(LightningModule):
         return torch.cat(parts, dim=1)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._loss(batch, "train")
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._loss(batch, "validation")
+
+    def _loss(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         group = self._group()
         ids, labels = batch["input_ids"], batch["labels"]
         index = batch.get("sequence_index", torch.arange(ids.shape[1]))
@@ -78,7 +88,7 @@ class GatheredAttentionLM(LightningModule):
         totals = torch.stack([loss_sum.detach(), (labels != -100).sum().to(loss_sum.dtype)])
         if group is not None:
             dist.all_reduce(totals, group=group)
-        record = {"step": self.global_step, "loss": (totals[0] / totals[1]).item()}
+        record = {"stage": stage, "step": self.global_step, "loss": (totals[0] / totals[1]).item()}
         record.update({key: batch[key].tolist() for key in RECORDED if key in batch})
         with open(f"{self.out}.rank{self.global_rank}", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     split = {"split_sequence_for": "context_parallel", "sequence_split": args.sequence_split} if args.cp > 1 else {}
     datamodule = TokenShardDataModule(
         args.data, seq_len=args.seq_len, batch_size=args.batch_size, pack_sequences=True,
-        num_workers=args.workers, **split,
+        num_workers=args.workers, val_fraction=0.25, **split,
     )  # fmt: skip
     strategy = MeshDDPStrategy(1, args.cp, model_parallel_name="context_parallel") if args.cp > 1 else "auto"
     trainer = Trainer(
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.cp,
         strategy=strategy,
         max_steps=args.max_steps,
+        val_check_interval=2,  # in the middle of the epoch, between training batches sent ahead
+        num_sanity_val_steps=1,  # of 2: a validation iteration left before its end
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
