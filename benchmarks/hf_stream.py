@@ -6,8 +6,9 @@ and tokenizing every batch with the same tokenizer in this process (what any str
 do; the stream read alone, untokenized, is shown for scale); against ``HFTextDataModule(streaming=True)``'s
 training loader with ``num_workers`` 0 and 2 (batch 8 x 2048, packed). Resume: the first batch of a
 fresh DataModule (setup and first batch timed) against one resumed at document 10^6 of its stream
-(``load_state_dict`` with that cursor, then the same), and for scale what a replaying resume pays
-(``datasets``' ``skip(10**6)`` and its next row): ``python -m benchmarks.hf_stream``.
+(``load_state_dict`` with that cursor, then the same), the same checkpoint resumed elastically (one
+reader's state dealt to 2 workers, against a fresh start with 2 workers), and for scale what a
+replaying resume pays (``datasets``' ``skip(10**6)`` and its next row): ``python -m benchmarks.hf_stream``.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def main() -> None:
         speeds: dict[str, list[float]] = {floor: [], **{name: [] for name in loaders}}
         documents_per_s = []
         state = cursor_at(datamodule(), args.resume_at)
-        fresh, resumed, replay = [], [], []
+        fresh, resumed, replay, fresh_2, elastic = [], [], [], [], []
         tokens = args.batch_size * args.seq_len
         for _ in range(args.rounds):  # alternating, so drift hits all alike
             speeds[floor].append(stream_floor(data, tokenizer, True, args.seconds))
@@ -145,6 +146,8 @@ def main() -> None:
             fresh.append(first_batch_seconds(datamodule))
             resumed.append(first_batch_seconds(datamodule, state))
             replay.append(replay_seconds(data, args.resume_at))
+            fresh_2.append(first_batch_seconds(lambda: datamodule(2)))
+            elastic.append(first_batch_seconds(lambda: datamodule(2), state))
         base = statistics.median(speeds[floor])
         rows = [
             {"reader": "datasets stream read alone (no tokenizer)", "documents/s": statistics.median(documents_per_s)}
@@ -160,6 +163,11 @@ def main() -> None:
                 "start": f"replay: datasets stream skip({args.resume_at:,}) + next row",
                 "seconds": statistics.median(replay),
             },
+            {"start": "fresh DataModule, num_workers=2: setup + first batch", "seconds": statistics.median(fresh_2)},
+            {
+                "start": f"elastic: 1 reader's checkpoint at document {args.resume_at:,} dealt to num_workers=2",
+                "seconds": statistics.median(elastic),
+            },
         ]
     worker0 = speeds[list(loaders)[0]]
     ratio = statistics.median(resumed) / statistics.median(fresh)
@@ -167,6 +175,9 @@ def main() -> None:
         f"num_workers=0 >= 0.8 of the floor ({statistics.median(worker0) / base:.2f})": statistics.median(worker0)
         >= 0.8 * base,
         f"resume at document {args.resume_at:,} within 2x of a fresh start ({ratio:.2f}x)": ratio <= 2.0,
+        f"elastic resume at document {args.resume_at:,}: first batch under 2 s ({statistics.median(elastic):.2f} s)": (
+            statistics.median(elastic) < 2.0
+        ),
     }
     report(
         "hf_stream",

@@ -6,8 +6,8 @@ main process keeps, per reader, the state after the last batch the training loop
 (counted by the loop, so prefetching never runs the state ahead), and a checkpoint gathers every
 rank's readers, since only rank 0 writes it. A resume gives each reader its state back and starts
 the DataLoader's round robin at the reader whose batch comes next: the batches are those of the
-uninterrupted run. Another number of ranks or workers would cut the stream differently, so it is
-refused.
+uninterrupted run. On another number of ranks or workers, the stream deals what the old readers
+had not finished to the new ones (``Stream.redeal``), their unbatched tokens included.
 """
 
 from __future__ import annotations
@@ -52,6 +52,17 @@ class Stream(ABC):
     @abstractmethod
     def idle_readers(self, num_readers: int) -> list[int]:
         """Readers given no data (the stream has fewer shards than readers)."""
+
+    @abstractmethod
+    def redeal(self, states: dict[int, ReaderState], old: int, new: int) -> dict[int, ReaderState]:
+        """The states of ``new`` readers that read, once, everything ``old`` readers in ``states`` had
+        not; a ``ValueError`` says why it cannot."""
+
+    unit_parts: int | None = None  # how the stream cut its units for its readers (kept in the state)
+
+    @abstractmethod
+    def cut_units(self, parts: int) -> int:
+        """Cuts the units as a checkpoint's run did; their number."""
 
     @abstractmethod
     def to_batch(self, raw: Any) -> dict[str, torch.Tensor]: ...
@@ -205,13 +216,12 @@ class StreamTraining:
         **loader_kwargs: Any,
     ) -> StreamLoader:
         workers = max(1, num_workers)
-        self._check_readers(world, workers)
         num_readers = world * workers
+        states = self._redealt(self.cursor.states_at(batches_trained), world, workers)
         idle = set(self.stream.idle_readers(num_readers))
         if rank == 0 and idle:
             names = ", ".join(f"rank {r // workers} worker {r % workers}" for r in sorted(idle))
             log.warning("%s: the stream has fewer shards than its %d readers; idle: %s", self.owner, num_readers, names)
-        states = self.cursor.states_at(batches_trained)
         self.cursor = StreamCursor(batches_trained, states)
         # Batch b of this rank comes from its b-th active reader, round robin: start there.
         active = [w for w in range(workers) if rank * workers + w not in idle]
@@ -224,17 +234,25 @@ class StreamTraining:
         dataset = StreamDataset(self.stream, rank, world, workers, states, first)
         return StreamLoader(dataset, self.cursor, epoch_batches, epoch_length, num_workers, **loader_kwargs)
 
-    def _check_readers(self, world: int, workers: int) -> None:
+    def _redealt(self, states: dict[int, ReaderState], world: int, workers: int) -> dict[int, ReaderState]:
+        """``states``, dealt to this run's readers where the checkpoint's run had others."""
         saved = self._restored
         if saved is None or (saved["ranks"], saved["workers"]) == (world, workers):
-            return
-        raise ValueError(
-            f"{self.owner}: the checkpoint's stream was read by {saved['ranks']} ranks x {saved['workers']} workers, "
-            f"this run has {world} x {workers}. A stream is cut among its readers, so its resume is exact only "
-            f"with the same ones: resume on {saved['ranks']} data-parallel ranks with num_workers="
-            f"{saved['workers'] if saved['workers'] > 1 else 0}, or use the eager mode (streaming=False), whose "
-            "resume works on any number"
-        )
+            return states
+        try:
+            states = self.stream.redeal(states, saved["ranks"] * saved["workers"], world * workers)
+        except ValueError as error:
+            raise ValueError(
+                f"{self.owner}: the checkpoint's stream was read by {saved['ranks']} ranks x {saved['workers']} "
+                f"workers and cannot be dealt to {world} x {workers}: {error}; use fewer ranks or workers"
+            ) from None
+        log.info(
+            "%s: the checkpoint's stream was read by %d ranks x %d workers; what they had not finished is "
+            "dealt to this run's %d x %d",
+            self.owner, saved["ranks"], saved["workers"], world, workers,
+        )  # fmt: skip
+        self._restored = {**saved, "ranks": world, "workers": workers}
+        return states
 
     def state_dict(self, world: int, num_workers: int, batches_trained: int) -> dict[str, Any]:
         """This stream's state at the loop's batch count, with every rank's readers (collective)."""
@@ -244,6 +262,7 @@ class StreamTraining:
             "stream": self.stream.identity(),
             "ranks": ranks,
             "workers": workers,
+            "unit_parts": self.stream.unit_parts,
             "batches": batches_trained,
             "readers": {int(k): v for k, v in sorted(states.items())},
         }
@@ -255,6 +274,8 @@ class StreamTraining:
                 raise ValueError(message + "; pass allow_plan_change=True to start the new stream from its beginning")
             log.warning("%s; starting it from its beginning because allow_plan_change=True", message)
             return
+        if state.get("unit_parts"):
+            self.stream.cut_units(state["unit_parts"])
         self._restored = state
         self.cursor = StreamCursor(int(state["batches"]), {int(k): v for k, v in state["readers"].items()})
 

@@ -193,7 +193,9 @@ class HFTextDataModule(PlanDataModule):
         streaming: no cache: every (rank, DataLoader worker) reads its own units of the dataset
             (parquet row groups, ``save_to_disk`` row ranges, or stream shards), tokenizes and packs
             them on the fly (``TextStream``). Resume is token-exact on the same number of ranks and
-            workers, and refused on another. Training needs ``max_steps`` or ``steps_per_epoch``.
+            workers; on another, what the checkpoint's readers had not finished (their partly packed
+            rows included) is dealt to the new ones, every document once. Training needs
+            ``max_steps`` or ``steps_per_epoch``.
         shuffle_rows: with ``streaming``, rows read in one seeded order within a unit.
         steps_per_epoch: with ``streaming``, optimizer steps per epoch (default: one endless epoch).
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within,

@@ -9,6 +9,13 @@ starts at token ``i * seq_len``), so batches follow the same contract as the tok
 
 A reader's state is its cursor (pass, unit, block, next row) and the tokens it has read but not yet
 batched: resuming re-reads one block, however far into the stream the cursor is.
+
+On another number of readers (``redeal``), what the old readers had not finished is dealt out
+again: every unit of the passes they had begun that was not read to its end becomes a work item
+``(pass, unit, block, row)``, read from where it stood, and the items are dealt round robin (by pass,
+then unit) to the new readers, which read them first, then go on with the next pass in the usual
+way; each old reader's unbatched tokens go to new reader ``old % new``, ahead of its items. Every
+document is read once across the change; only the order differs from a run on the new readers.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ class TextStream(Stream):
             "shuffle_rows": shuffle_rows,
             **({"on_bad_row": on_bad_row} if on_bad_row != "raise" else {}),
         }
-        self._split_for: int | None = None
+        self.unit_parts: int | None = None  # each unit cut into this many row ranges (fixed once read)
 
     def identity(self) -> dict[str, Any]:
         return self._identity
@@ -91,14 +98,21 @@ class TextStream(Stream):
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         return windows_to_batch(raw)
 
+    def cut_units(self, parts: int) -> int:
+        """Cuts every unit into ``parts`` row ranges (once: the readers' cursors count in those units)."""
+        if self.unit_parts is None:
+            if parts > 1:
+                self.units.split(parts)
+            self.unit_parts = parts
+        elif parts != self.unit_parts:
+            raise RuntimeError(f"the stream's units are cut in {self.unit_parts}, not {parts}")
+        return len(self.units)
+
     def _cut_for(self, num_readers: int) -> int:
         """Units, cut into row ranges when there are fewer than readers (and they can be cut)."""
-        if self._split_for != num_readers:
-            if self._split_for is not None:
-                raise RuntimeError("a stream's units are cut for one number of readers")
-            if self.units.splittable and len(self.units) < num_readers:
-                self.units.split(math.ceil(num_readers / len(self.units)))
-            self._split_for = num_readers
+        if self.unit_parts is None:
+            few = self.units.splittable and len(self.units) < num_readers
+            self.cut_units(math.ceil(num_readers / len(self.units)) if few else 1)
         return len(self.units)
 
     def idle_readers(self, num_readers: int) -> list[int]:
@@ -114,6 +128,24 @@ class TextStream(Stream):
         key = int(mix64(np.array([(unit << 32) | block], dtype=np.uint64))[0]) ^ _ROW_ORDER
         return permute(np.arange(rows), rows, round_keys(self.seed ^ key, pass_, np.zeros(rows)))
 
+    def _unit_documents(
+        self, pass_: int, unit: int, first_block: int, first_row: int, skipped: list[int]
+    ) -> Iterator[tuple[int, int, str]]:
+        """``(block, next row, text)`` of each document of ``unit`` in pass ``pass_``'s order, from
+        ``(first_block, first_row)`` on; rows skipped are counted in ``skipped[0]``."""
+        blocks = self.units.blocks(unit, first_block, self.shuffle_rows)
+        for block, (table, start, values) in enumerate(blocks, start=first_block):
+            if self.on_bad_row == "raise":
+                check_texts(table, start, values, self.units.text_field)
+            order = self._row_order(pass_, unit, block, len(values))
+            for row in range(first_row, len(values)):
+                text = values[order[row]]
+                if isinstance(text, str) and text:
+                    yield block, row + 1, text
+                else:
+                    skipped[0] += 1
+            first_row = 0
+
     def _documents_from(
         self, reader: int, num_readers: int, cursor: tuple[int, int, int, int], skipped: list[int]
     ) -> Iterator[tuple[tuple[int, int, int, int], str]]:
@@ -122,55 +154,28 @@ class TextStream(Stream):
         pass_, first_slot, first_block, first_row = cursor
         units = self.units_of(reader, num_readers, pass_).tolist()
         for slot in range(first_slot, len(units)):
-            blocks = self.units.blocks(units[slot], first_block, self.shuffle_rows)
-            for block, (table, start, values) in enumerate(blocks, start=first_block):
-                if self.on_bad_row == "raise":
-                    check_texts(table, start, values, self.units.text_field)
-                order = self._row_order(pass_, units[slot], block, len(values))
-                for row in range(first_row, len(values)):
-                    text = values[order[row]]
-                    if isinstance(text, str) and text:
-                        yield (pass_, slot, block, row + 1), text
-                    else:
-                        skipped[0] += 1
-                first_row = 0
-            first_block = 0
+            for block, row, text in self._unit_documents(pass_, units[slot], first_block, first_row, skipped):
+                yield (pass_, slot, block, row), text
+            first_block = first_row = 0
 
     def documents(self, reader: int, num_readers: int, pass_: int) -> Iterator[str]:
         """The documents reader ``reader`` reads in pass ``pass_``, in its order (for checks)."""
         return (text for _, text in self._documents_from(reader, num_readers, (pass_, 0, 0, 0), [0]))
 
-    def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
-        if reader in self.idle_readers(num_readers):
-            return
-        encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
-        cursor = (0, 0, 0, 0) if state is None else tuple(int(state[k]) for k in _CURSOR)
-        tokens = np.empty(0, np.int32) if state is None else state["tokens"].numpy()
-        starts = np.empty(0, bool) if state is None else state["starts"].numpy()
-        pieces, flags, have = [tokens], [starts], len(tokens)
-        need = self.batch_size * self.seq_len + 1  # a batch's windows, overlapping by one token
+    def _documents(
+        self, reader: int, num_readers: int, cursor: tuple[int, int, int, int], work: np.ndarray
+    ) -> Iterator[tuple[tuple[int, ...], str]]:
+        """``(where, text)`` of every document reader ``reader`` reads: its work items, then the passes
+        from ``cursor`` on, endlessly; ``where`` is ``(item, block, row)`` in the items, else the cursor."""
+        skipped = [0]
+        for item, (pass_, unit, block, row) in enumerate(work.tolist()):
+            for at_block, at_row, text in self._unit_documents(pass_, unit, block, row, skipped):
+                yield (item, at_block, at_row), text
         while True:
-            skipped = [0]
-            pass_start, documents = cursor[1:] == (0, 0, 0), self._documents_from(reader, num_readers, cursor, skipped)
-            while chunk := list(itertools.islice(documents, _TOKENIZE_ROWS)):
-                ids, lengths = encode([text for _, text in chunk])
-                for (cursor, _), doc in zip(
-                    chunk, np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]), strict=True
-                ):
-                    flag = np.zeros(len(doc), bool)
-                    flag[0] = True
-                    pieces.append(doc)
-                    flags.append(flag)
-                    have += len(doc)
-                    if have < need:
-                        continue
-                    tokens, starts = np.concatenate(pieces), np.concatenate(flags)
-                    while len(tokens) >= need:
-                        raw = self._windows(tokens[:need], starts[:need])
-                        tokens, starts = tokens[need - 1 :], starts[need - 1 :]
-                        yield raw, {**dict(zip(_CURSOR, cursor, strict=True)), **_buffers(tokens, starts)}
-                    pieces, flags, have = [tokens], [starts], len(tokens)
+            pass_start = cursor[1:] == (0, 0, 0)
+            for where, text in self._documents_from(reader, num_readers, cursor, skipped):
                 pass_start = False
+                yield where, text
             if pass_start:
                 units = self.units_of(reader, num_readers, cursor[0]).tolist()
                 raise ValueError(f"reader {reader} of {num_readers}: its units {units} hold no documents")
@@ -182,7 +187,68 @@ class TextStream(Stream):
                     skipped[0],
                     cursor[0],
                 )
-            cursor = (cursor[0] + 1, 0, 0, 0)
+            cursor, skipped[0] = (cursor[0] + 1, 0, 0, 0), 0
+
+    def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
+        work = _work(state)
+        if not len(work) and reader in self.idle_readers(num_readers):
+            return
+        encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
+        start = (0, 0, 0, 0) if state is None else tuple(int(state[k]) for k in _CURSOR)
+        tokens = np.empty(0, np.int32) if state is None else state["tokens"].numpy()
+        starts = np.empty(0, bool) if state is None else state["starts"].numpy()
+        pieces, flags, have = [tokens], [starts], len(tokens)
+        need = self.batch_size * self.seq_len + 1  # a batch's windows, overlapping by one token
+        documents = self._documents(reader, num_readers, start, work)
+        while chunk := list(itertools.islice(documents, _TOKENIZE_ROWS)):
+            ids, lengths = encode([text for _, text in chunk])
+            for (where, _), doc in zip(chunk, np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]), strict=True):
+                flag = np.zeros(len(doc), bool)
+                flag[0] = True
+                pieces.append(doc)
+                flags.append(flag)
+                have += len(doc)
+                if have < need:
+                    continue
+                tokens, starts = np.concatenate(pieces), np.concatenate(flags)
+                while len(tokens) >= need:
+                    raw = self._windows(tokens[:need], starts[:need])
+                    tokens, starts = tokens[need - 1 :], starts[need - 1 :]
+                    yield raw, {**_position(where, work, start), **_buffers(tokens, starts)}
+                pieces, flags, have = [tokens], [starts], len(tokens)
+
+    def redeal(self, states: dict[int, ReaderState], old: int, new: int) -> dict[int, ReaderState]:
+        """The states of ``new`` readers that finish what ``old`` readers (in ``states``) had not: see
+        the module. Refuses more new readers than units (some would have nothing to read)."""
+        units = self._cut_for(old)
+        if new > units:
+            raise ValueError(f"the stream has {units} units (files, row groups or row ranges) for {new} readers")
+        cursors = {r: _cursor(states.get(r)) for r in range(min(old, units))}
+        last = max(cursor[0] for cursor in cursors.values())
+        items = [item for r in cursors for item in _work(states.get(r)).tolist()]
+        for r, (pass_, slot, block, row) in cursors.items():
+            for p in range(pass_, last + 1):
+                for s, unit in enumerate(self.units_of(r, old, p).tolist()):
+                    if p > pass_ or s > slot:
+                        items.append([p, unit, 0, 0])
+                    elif s == slot:
+                        items.append([p, unit, block, row])
+        items.sort(key=lambda item: item[:2])
+        dealt = {}
+        for reader in range(new):
+            carried = [states[r] for r in range(reader, old, new) if r in states and len(states[r]["tokens"])]
+            tokens = [state["tokens"].numpy() for state in carried]
+            starts = [state["starts"].numpy().copy() for state in carried]
+            for flags in starts[1:]:
+                flags[0] = True  # joined after another reader's tokens: no target across the seam
+            dealt[reader] = {
+                **dict(zip(_CURSOR, (last + 1, 0, 0, 0), strict=True)),
+                "work": as_tensor(np.array(items[reader::new], dtype=np.int64).reshape(-1, 4)),
+                **_buffers(
+                    np.concatenate([np.empty(0, np.int32), *tokens]), np.concatenate([np.empty(0, bool), *starts])
+                ),
+            }
+        return dealt
 
     def _windows(self, tokens: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
         view = np.lib.stride_tricks.sliding_window_view
@@ -194,3 +260,27 @@ class TextStream(Stream):
 
 def _buffers(tokens: np.ndarray, starts: np.ndarray) -> dict[str, torch.Tensor]:
     return {"tokens": as_tensor(tokens), "starts": as_tensor(starts)}
+
+
+def _work(state: ReaderState | None) -> np.ndarray:
+    """A reader's work items ``[k, 4]`` (pass, unit, block, row); none before any change of readers."""
+    if state is None or "work" not in state:
+        return np.empty((0, 4), np.int64)
+    return state["work"].numpy()
+
+
+def _cursor(state: ReaderState | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if state is None else tuple(int(state[k]) for k in _CURSOR)
+
+
+def _position(where: tuple[int, ...], work: np.ndarray, start: tuple[int, int, int, int]) -> ReaderState:
+    """The state fields of a reader past the document at ``where`` (see ``TextStream._documents``)."""
+    if len(where) == 3:  # in the work items: the rest of them, the first from where it stands
+        item, block, row = where
+        rest = work[item:].copy()
+        rest[0, 2:] = block, row
+        return {**dict(zip(_CURSOR, start, strict=True)), "work": as_tensor(rest)}
+    return {**dict(zip(_CURSOR, where, strict=True)), "work": _NO_WORK}
+
+
+_NO_WORK = torch.empty((0, 4), dtype=torch.int64)

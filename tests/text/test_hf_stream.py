@@ -3,6 +3,7 @@ resumed token-exactly through ``Trainer.fit``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import random
@@ -20,7 +21,7 @@ from datamodules.text.prepare import DocumentTokenizer
 from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.text_stream import TextStream
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, fit_in_a_plain_script, fit_records, quiet_trainer
+from tests.support import RecordingModel, batch_digest, fit_in_a_plain_script, fit_records, quiet_trainer
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i in range(300)]
@@ -133,12 +134,106 @@ def test_resume_through_fit_trains_identical_batches(
     assert stopped[:7] + resumed == uninterrupted
 
 
-def test_a_checkpoint_of_other_workers_is_refused_and_says_what_would_work(tmp_path: Path, tokenizer: str) -> None:
+def read_resized(stream: TextStream, stages: list[tuple[int, list[int] | None]]) -> tuple[Counter, list[tuple]]:
+    """Readers of ``stream`` in ``stages`` of ``(readers, batches each reads)``, the states dealt to the
+    next stage's readers in between (``redeal``); the last stage reads until its work items are done.
+    Returns the tokens trained (every batch's inputs, and the tokens the last readers hold, which the
+    next batches would train) and the last readers' cursors."""
+    trained: Counter = Counter()
+    states: dict = {}
+    for stage, (readers, batches) in enumerate(stages):
+        if stage:
+            states = stream.redeal(states, stages[stage - 1][0], readers)
+        last = stage == len(stages) - 1
+        for reader in range(readers):
+            batches_read = stream.read(reader, readers, states.get(reader))
+            for count in itertools.count(1):
+                raw, states[reader] = next(batches_read)
+                trained.update(raw["tokens"][:, :-1].ravel().tolist())
+                if (batches is not None and count == batches[reader]) or (last and not len(states[reader]["work"])):
+                    break
+            if last:
+                trained.update(states[reader]["tokens"].tolist())
+    cursors = [tuple(int(states[r][k]) for k in ("pass", "unit", "block", "row")) for r in range(stages[-1][0])]
+    return trained, cursors
+
+
+def expected_tokens(stream: TextStream, readers: int, cursors: list[tuple]) -> Counter:
+    """Every document's tokens once for each pass before the cursors' pass, and those of the documents
+    each reader read in it."""
+    (pass_,) = {cursor[0] for cursor in cursors}
+    texts = DOCS * pass_
+    for reader, cursor in enumerate(cursors):
+        for where, text in stream._documents_from(reader, readers, (pass_, 0, 0, 0), [0]):
+            texts.append(text)
+            if where == cursor:
+                break
+    return Counter(DocumentTokenizer(stream.tokenizer)(texts)[0].tolist())
+
+
+@pytest.mark.parametrize("layout", ["parquet, many small row groups", "json files"])
+@pytest.mark.parametrize(
+    "stages",
+    [
+        [(4, [3, 5, 2, 7]), (1, None)],
+        [(4, [3, 5, 2, 7]), (3, None)],
+        [(2, [6, 1]), (4, None)],
+        [(4, [3, 5, 2, 7]), (3, [2, 4, 1]), (2, None)],
+    ],
+    ids=["4 to 1", "4 to 3", "2 to 4", "4 to 3 to 2"],
+)
+def test_readers_changed_mid_pass_read_every_document_once(
+    tmp_path: Path, tokenizer: str, layout: str, stages: list
+) -> None:
+    stream = stream_of(tmp_path, tokenizer, layout)
+    trained, cursors = read_resized(stream, stages)
+    assert trained == expected_tokens(stream, stages[-1][0], cursors)
+    # The new readers begin their own passes after every pass the old ones had begun.
+    assert {cursor[0] for cursor in cursors} == {len(stages) - 1}
+
+
+def stream_state(checkpoint: Path) -> dict:
+    """The stream state a checkpoint holds."""
+    import torch
+
+    saved = torch.load(checkpoint, weights_only=False)
+    (state,) = [value["stream"] for value in saved.values() if isinstance(value, dict) and "stream" in value]
+    return state
+
+
+def resumed_batches(stream: TextStream, checkpoint: Path, ranks: int, workers: int, steps: int) -> list[list[dict]]:
+    """Each rank's batches after resuming ``checkpoint`` on ``ranks`` x ``workers``: its readers' states dealt
+    by ``redeal``, read in turn from the one whose batch comes next."""
+    state = stream_state(checkpoint)
+    if state["unit_parts"]:
+        stream.cut_units(state["unit_parts"])
+    readers = ranks * workers
+    states = stream.redeal(state["readers"], state["ranks"] * state["workers"], readers)
+    batches = []
+    for rank in range(ranks):
+        mine = [stream.read(rank * workers + w, readers, states.get(rank * workers + w)) for w in range(workers)]
+        first = state["batches"] % workers
+        batches.append([stream.to_batch(next(mine[(first + i) % workers])[0]) for i in range(steps)])
+    return batches
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_checkpoint_of_other_workers_resumes_with_its_readers_work_dealt_to_these(
+    tmp_path: Path, tokenizer: str, workers: int
+) -> None:
     files = parquet(tmp_path, 2, row_group=20)
     fit(stream_dm(tokenizer, data_files=files, num_workers=2), 7, ckpt_dir=tmp_path / "ckpt")
     (checkpoint,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
-    with pytest.raises(ValueError, match=r"read by 1 ranks x 2 workers, this run has 1 x 1.*num_workers=2"):
-        fit(stream_dm(tokenizer, data_files=files), 10, resume=checkpoint)
+    resumed = fit(stream_dm(tokenizer, data_files=files, num_workers=workers), 20, resume=checkpoint)
+    stream = stream_dm(tokenizer, data_files=files).build_stream()
+    (expected,) = resumed_batches(stream, checkpoint, 1, max(1, workers), 13)
+    assert [r["digest"] for r in resumed] == [batch_digest(batch) for batch in expected]
+
+
+def test_more_readers_than_units_after_a_change_is_refused(tmp_path: Path, tokenizer: str) -> None:
+    stream = stream_of(tmp_path, tokenizer, "json files")  # 5 files: 5 units
+    with pytest.raises(ValueError, match="the stream has 5 units .* for 6 readers"):
+        stream.redeal({}, 4, 6)
 
 
 def test_the_stream_state_holds_every_reader_and_a_changed_stream_is_refused(tmp_path: Path, tokenizer: str) -> None:

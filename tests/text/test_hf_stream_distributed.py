@@ -1,5 +1,7 @@
 """HFTextDataModule(streaming=True) under real 2-process DDP on CPU (gloo), 2 DataLoader workers each:
-every rank trains exactly its readers' batches, and a resume from a checkpoint is token-exact."""
+every rank trains exactly its readers' batches, a resume from a checkpoint is token-exact, and a
+resume on 4 ranks (real processes) or on 1 rank with 1 or 3 workers trains what the old readers had
+not, dealt to the new ones (``TextStream.redeal``, whose exactness test_hf_stream.py shows)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 from datamodules import HFTextDataModule
 from tests.distributed_support import Run, train_record
 from tests.support import RecordingModel, quiet_trainer, row_digest
-from tests.text.test_hf_stream import BATCH, SEQ_LEN, parquet, trained_tokenizer
+from tests.text.test_hf_stream import BATCH, SEQ_LEN, parquet, resumed_batches, trained_tokenizer
 
 STEPS = 12
 
@@ -61,9 +63,29 @@ def test_a_ddp_resume_trains_the_uninterrupted_batches(
         assert rows(resumed, rank) == rows(run, rank)[4:]
 
 
-def test_a_ddp_checkpoint_is_refused_on_one_rank(first_run: tuple[Run, list[str]], tokenizer: str) -> None:
+def expected_after(run: Run, files: list[str], tokenizer: str, ranks: int, workers: int) -> list[list[list[str]]]:
+    """Each rank's rows after resuming ``run``'s step-4 checkpoint on ``ranks`` x ``workers`` (``redeal``)."""
+    stream = HFTextDataModule("parquet", tokenizer, SEQ_LEN, BATCH, data_files=files, streaming=True).build_stream()
+    batches = resumed_batches(stream, run.checkpoint(4), ranks, workers, STEPS - 4)
+    return [[[row_digest(row) for row in batch["input_ids"]] for batch in rank] for rank in batches]
+
+
+def test_a_ddp_checkpoint_resumes_on_four_ranks_with_its_readers_work_dealt_to_them(
+    first_run: tuple[Run, list[str]], tokenizer: str, tmp_path: Path
+) -> None:
     run, files = first_run
-    dm = HFTextDataModule("parquet", tokenizer, SEQ_LEN, BATCH, data_files=files, streaming=True, num_workers=2)
-    trainer = quiet_trainer(max_steps=STEPS, num_sanity_val_steps=0)
-    with pytest.raises(ValueError, match="read by 2 ranks x 2 workers, this run has 1 x 2.*on 2 data-parallel ranks"):
-        trainer.fit(RecordingModel(), datamodule=dm, ckpt_path=run.checkpoint(4))
+    args = ["--hf-parquet", ",".join(files), "--tokenizer", tokenizer, "--streaming", "--workers", "0"]
+    args += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--devices", "4", "--strategy", "ddp"]
+    resumed = train_record([*args, "--max-steps", str(STEPS), "--resume", str(run.checkpoint(4))], tmp_path)
+    assert [rows(resumed, rank) for rank in range(4)] == expected_after(run, files, tokenizer, 4, 1)
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_ddp_checkpoint_resumes_on_one_rank_with_its_readers_work_dealt_to_it(
+    first_run: tuple[Run, list[str]], tokenizer: str, workers: int
+) -> None:
+    run, files = first_run
+    dm = HFTextDataModule("parquet", tokenizer, SEQ_LEN, BATCH, data_files=files, streaming=True, num_workers=workers)
+    model = RecordingModel()
+    quiet_trainer(max_steps=STEPS, num_sanity_val_steps=0).fit(model, datamodule=dm, ckpt_path=run.checkpoint(4))
+    assert [[record["rows"] for record in model.records]] == expected_after(run, files, tokenizer, 1, max(1, workers))
