@@ -230,10 +230,16 @@ def test_a_checkpoint_of_other_workers_resumes_with_its_readers_work_dealt_to_th
     assert [r["digest"] for r in resumed] == [batch_digest(batch) for batch in expected]
 
 
-def test_more_readers_than_units_after_a_change_is_refused(tmp_path: Path, tokenizer: str) -> None:
-    stream = stream_of(tmp_path, tokenizer, "json files")  # 5 files: 5 units
-    with pytest.raises(ValueError, match="the stream has 5 units .* for 6 readers"):
-        stream.redeal({}, 4, 6)
+def test_more_readers_than_units_after_a_change_is_refused_naming_both(tmp_path: Path, tokenizer: str) -> None:
+    files = jsonl(tmp_path, 2)  # 2 files: 2 units
+    fit(stream_dm(tokenizer, "json", data_files=files, num_workers=2), 7, ckpt_dir=tmp_path / "ckpt")
+    (checkpoint,) = (tmp_path / "ckpt").glob("*step=7.ckpt")
+    message = (
+        r"read by 1 ranks x 2 workers and cannot be dealt to 1 x 3: the stream has 2 units \(files, row groups "
+        r"or row ranges\) for 3 readers; use fewer ranks or workers"
+    )
+    with pytest.raises(ValueError, match=message):
+        fit(stream_dm(tokenizer, "json", data_files=files, num_workers=3), 10, resume=checkpoint)
 
 
 def test_the_stream_state_holds_every_reader_and_a_changed_stream_is_refused(tmp_path: Path, tokenizer: str) -> None:
