@@ -68,7 +68,7 @@ def child(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer  # imported before the clock starts, for both contenders
 
     if args.child == "bare":
-        from datamodules.speculative.prepare_conversations import messages_of
+        from datamodules.chat.prepare_conversations import messages_of
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         conversations = [messages_of(json.loads(line)) for line in Path(args.corpus).read_text().splitlines()]
@@ -77,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
             tokens += len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
         seconds = time.perf_counter() - started
     else:
-        from datamodules.speculative.prepare_conversations import prepare_conversations
+        from datamodules.chat.prepare_conversations import prepare_conversations
 
         with tempfile.TemporaryDirectory() as out:
             started = time.perf_counter()

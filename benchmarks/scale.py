@@ -446,8 +446,8 @@ def packed_probe(spec: dict[str, Any]) -> None:
     passes 0 and 1 read; prints the times and the anonymous memory grown on a ``RESULT`` line."""
     import datasets
 
-    from datamodules.speculative.conversation_rows import ConversationRows, column_values
-    from datamodules.speculative.multipack import PackedRows
+    from datamodules.chat.conversation_rows import ConversationRows, column_values
+    from datamodules.chat.multipack import PackedRows
 
     dataset = datasets.load_from_disk(spec["data"])
     before, started = memory_kb(os.getpid())["Anonymous"], time.perf_counter()

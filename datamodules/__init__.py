@@ -12,8 +12,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "ConversationDataModule": "datamodules.speculative.conversation_datamodule",
-    "ConversationSource": "datamodules.speculative.conversation_source",
+    "ConversationDataModule": "datamodules.chat.conversation_datamodule",
+    "ConversationSource": "datamodules.chat.conversation_source",
     "EpochProgressBar": "datamodules.callbacks.epoch_progress_bar",
     "GenerationServer": "datamodules.speculative.generation_client",
     "HFTextDataModule": "datamodules.text.hf_text",
@@ -23,7 +23,7 @@ _EXPORTS = {
     "ImageTextSource": "datamodules.vision.image_text_source",
     "MixtureComponent": "datamodules.mixture",
     "MixtureDataModule": "datamodules.mixture",
-    "MultipackBatchSampler": "datamodules.speculative.multipack",
+    "MultipackBatchSampler": "datamodules.chat.multipack",
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
     "PlanDataModule": "datamodules.plan.datamodule",
     "PlannedSource": "datamodules.plan.sample_plan",
@@ -67,14 +67,14 @@ if TYPE_CHECKING:
     from datamodules.callbacks.epoch_progress_bar import EpochProgressBar
     from datamodules.callbacks.phase_scheduler import PhaseScheduler
     from datamodules.callbacks.progress_lines import ProgressLines
+    from datamodules.chat.conversation_datamodule import ConversationDataModule
+    from datamodules.chat.conversation_source import ConversationSource
+    from datamodules.chat.multipack import MultipackBatchSampler
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
-    from datamodules.speculative.conversation_datamodule import ConversationDataModule
-    from datamodules.speculative.conversation_source import ConversationSource
     from datamodules.speculative.generation_client import GenerationServer
     from datamodules.speculative.hidden_states_datamodule import HiddenStatesDataModule
-    from datamodules.speculative.multipack import MultipackBatchSampler
     from datamodules.text.hf_text import HFTextDataModule, HFTextSource
     from datamodules.text.token_shard_datamodule import TokenShardDataModule
     from datamodules.text.token_shard_source import TokenShardSource

@@ -1,1 +1,1 @@
-"""Speculative-decoding data: verifier hidden states and multipack rows for training draft models."""
+"""Speculative-decoding data: verifier hidden states on the chat family's packed rows, for training draft models."""

@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from datamodules.chat.conversation_rows import ConversationRows
+from datamodules.chat.multipack import OverLong
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, release_returned, views
 from datamodules.plan.stopping import STOP
-from datamodules.speculative.conversation_rows import ConversationRows
 from datamodules.speculative.generation_client import CircuitBreaker
 from datamodules.speculative.hidden_states_store import StoredBytes
-from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import Outcome, StateFetcher
 
 log = logging.getLogger(__name__)

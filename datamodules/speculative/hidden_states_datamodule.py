@@ -12,17 +12,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from datamodules.chat.conversation_rows import checked_rows
+from datamodules.chat.multipack import OverLong
 from datamodules.plan.arguments import require_existing, require_int
 from datamodules.plan.bad_samples import BadSampleLog, check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.worker_start import START_METHODS
-from datamodules.speculative.conversation_rows import checked_rows
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer
 from datamodules.speculative.hidden_state_rows import MISSING_POLICIES, NOISES, Batch, HiddenStateRows
 from datamodules.speculative.hidden_states_store import STORES
-from datamodules.speculative.multipack import OverLong
 from datamodules.speculative.state_fetcher import ON_GENERATE, StateFetcher
 from datamodules.storage.remote_files import RemoteFiles
 

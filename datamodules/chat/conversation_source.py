@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from datamodules.chat.conversation_rows import ATTENTION_MASKS, COLUMNS, ConversationRows, checked_rows
+from datamodules.chat.prepare_conversations import MANIFEST, prepare_conversations, template_text
 from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.bad_samples import check_policy
 from datamodules.plan.held_out import held_out_rows
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
 from datamodules.plan.loader import SourceSpec
 from datamodules.plan.parallelism import Job
-from datamodules.speculative.conversation_rows import ATTENTION_MASKS, COLUMNS, ConversationRows, checked_rows
-from datamodules.speculative.prepare_conversations import MANIFEST, prepare_conversations, template_text
 
 OVER_LONG = ("truncate", "drop")
 

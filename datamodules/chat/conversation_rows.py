@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
+from datamodules.chat.multipack import NODE_KIND, OverLong, PackedRows, narrow_indices
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.speculative.multipack import NODE_KIND, OverLong, PackedRows, narrow_indices
 from datamodules.storage.node_arrays import is_mapped, node_arrays
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from datamodules import MultipackBatchSampler
-from datamodules.speculative.multipack import PackedRows, best_fit_decreasing, order_by
+from datamodules.chat.multipack import PackedRows, best_fit_decreasing, order_by
 
 BUDGET = 8192
 

@@ -17,16 +17,16 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from datamodules import HiddenStatesDataModule
-from datamodules.speculative.generate import generate_hidden_states
-from datamodules.speculative.prepare_conversations import (
+from datamodules.chat.prepare_conversations import (
     ConversationError,
     ConversationTokenizer,
     main,
     messages_of,
     prepare_conversations,
 )
+from datamodules.speculative.generate import generate_hidden_states
 from examples.tiny_draft import TinyDraft
-from tests.speculative.chat_data import (
+from tests.chat.chat_data import (
     LISTS,
     MARKED,
     PLAIN,

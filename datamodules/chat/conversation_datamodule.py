@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from datamodules.chat.conversation_rows import ConversationRows
+from datamodules.chat.conversation_source import ConversationSource
 from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.speculative.conversation_rows import ConversationRows
-from datamodules.speculative.conversation_source import ConversationSource
 
 
 class ConversationDataModule(PlanDataModule):

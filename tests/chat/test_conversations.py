@@ -18,8 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from datamodules import ConversationDataModule, ConversationSource, MixtureComponent, MixtureDataModule, PhaseScheduler
-from tests.distributed_support import train_record
-from tests.speculative.chat_data import (
+from tests.chat.chat_data import (
     MARKED,
     MARKERS,
     PLAIN,
@@ -31,6 +30,7 @@ from tests.speculative.chat_data import (
     random_chats,
     write_sharegpt,
 )
+from tests.distributed_support import train_record
 from tests.support import RecordingModel, quiet_trainer, row_digest
 
 ROW = 48  # tokens per packed row

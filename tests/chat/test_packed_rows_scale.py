@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from benchmarks.common import tiny_conversations
-from datamodules.speculative.conversation_rows import ConversationRows
-from datamodules.speculative.multipack import NODE_KIND, PackedRows
+from datamodules.chat.conversation_rows import ConversationRows
+from datamodules.chat.multipack import NODE_KIND, PackedRows
 from datamodules.storage.node_arrays import is_mapped, node_array_names
 
 CONVERSATIONS = 1_000_000
@@ -44,7 +44,7 @@ RUN = {
     "cwd": Path(__file__).parents[2],
     "env": {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
 }
-PROBE = "import sys; from tests.speculative.test_packed_rows_scale import probe; probe(*sys.argv[1:])"
+PROBE = "import sys; from tests.chat.test_packed_rows_scale import probe; probe(*sys.argv[1:])"
 
 
 def rows_of(dataset: datasets.Dataset) -> ConversationRows:

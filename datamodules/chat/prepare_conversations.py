@@ -1,4 +1,4 @@
-"""Conversations to training rows: ``python -m datamodules.speculative.prepare_conversations``.
+"""Conversations to training rows: ``python -m datamodules.chat.prepare_conversations``.
 
 Reads ShareGPT (``conversations: [{from, value}]``) or OpenAI (``messages: [{role, content}]``)
 conversations from JSON / JSON-lines / parquet files, a ``save_to_disk`` folder or a hub name, renders
@@ -523,7 +523,7 @@ def prepare_conversations(
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog=program_name("datamodules.speculative.prepare_conversations"), description=__doc__.split("\n")[0]
+        prog=program_name("datamodules.chat.prepare_conversations"), description=__doc__.split("\n")[0]
     )
     parser.add_argument("inputs", nargs="+", help="JSON/JSONL/parquet files, or a save_to_disk folder or hub name")
     parser.add_argument("--tokenizer", required=True, help="a transformers tokenizer with a chat template")
