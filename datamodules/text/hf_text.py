@@ -25,7 +25,13 @@ from datamodules.plan.hf_loading import check_data_files, is_saved_dataset
 from datamodules.plan.loader import SourceSpec
 from datamodules.plan.parallelism import Job
 from datamodules.text.document_units import document_units
-from datamodules.text.prepare import FORMAT_VERSION, prepare, tokenize_to_memory, tokenizer_identity
+from datamodules.text.prepare import (
+    FORMAT_VERSION,
+    DocumentTokenizer,
+    prepare,
+    tokenize_to_memory,
+    tokenizer_identity,
+)
 from datamodules.text.prepare_inputs import BAD_ROW_POLICIES, DatasetCorpus
 from datamodules.text.shard_metadata import METADATA_FILE
 from datamodules.text.text_stream import TextStream
@@ -51,9 +57,13 @@ class HFTextSource(SourceSpec):
         val_split: a split of the same dataset for validation: global rank 0 alone loads and
             tokenizes it (in ``setup``) and broadcasts the tokens, so no other rank touches the
             dataset or its cache; or
-        val_fraction: hold out this fraction of the training tokens (the tail) for validation.
+        val_fraction: hold out this fraction of the training tokens (the tail) for validation; with
+            ``streaming``, the documents a keyed hash of their text puts below the fraction (the same
+            documents on any number of ranks, shards or workers), which the readers skip and global
+            rank 0 reads out of the whole dataset in ``setup`` (a full read: for a hub-sized stream,
+            give ``val_split``).
         test_split, test_fraction: the same for the test split (``Trainer.test``); a fraction is the
-            very tail, after the validation tail.
+            very tail, after the validation tail (with ``streaming``: the next range of the hash).
         cache_dir: where the token shards go, one folder per set of inputs and options. It must
             be shared by the ranks of a node (or by all ranks, with ``prepare_data_per_node=False``).
         add_bos: start every document with the tokenizer's BOS token (EOS always ends it).
@@ -150,13 +160,8 @@ class HFTextSource(SourceSpec):
         return split_windows(shards, seq_len, pack_sequences, val, self.val_fraction, test, self.test_fraction)
 
     def stream(self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, shuffle_rows: int) -> TextStream:
-        """The training split streamed: read, tokenized and packed as training goes (no cache)."""
-        for option, fraction in (("val_fraction", self.val_fraction), ("test_fraction", self.test_fraction)):
-            if fraction > 0:
-                raise ValueError(
-                    f"{option}={fraction} needs the tokenized cache (streaming=False); "
-                    "a stream validates on val_split and tests on test_split"
-                )
+        """The training split streamed: read, tokenized and packed as training goes (no cache); the
+        documents ``val_fraction`` and ``test_fraction`` hold out (by a hash of their text) left out."""
         units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
         return TextStream(
             units,
@@ -168,13 +173,40 @@ class HFTextSource(SourceSpec):
             self.add_bos,
             shuffle_rows,
             self.on_bad_row,
+            (self.val_fraction, self.test_fraction),
         )
 
-    def evaluation_windows(self, seq_len: int, pack_sequences: bool, job: Job | None) -> dict[str, TokenWindows]:
-        """Windows of ``val_split`` and ``test_split``, each tokenized on global rank 0 and broadcast."""
-        held = {"validation": self.val_split, "test": self.test_split}
-        shards = {role: self._evaluation_shards(split, job) for role, split in held.items()}
+    def evaluation_windows(
+        self, seq_len: int, pack_sequences: bool, job: Job | None, stream: TextStream
+    ) -> dict[str, TokenWindows]:
+        """Windows of ``val_split`` and ``test_split``, or of the documents ``stream`` holds out, each
+        read and tokenized on global rank 0 and broadcast."""
+        held = {"validation": (self.val_split, self.val_fraction), "test": (self.test_split, self.test_fraction)}
+        shards = {
+            role: self._held_out_shards(stream, role, fraction, job)
+            if fraction
+            else self._evaluation_shards(split, job)
+            for role, (split, fraction) in held.items()
+        }
         return {role: TokenWindows(s, seq_len, pack_sequences=pack_sequences) for role, s in shards.items() if s}
+
+    def _held_out_shards(self, stream: TextStream, role: str, fraction: float, job: Job | None) -> TokenShards:
+        def make() -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+            texts = stream.held_out_documents(role)
+            if not texts:
+                option = "val_fraction" if role == "validation" else "test_fraction"
+                raise ValueError(f"{option}={fraction} holds out no document of {self.path!r}: use a larger fraction")
+            encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
+            tokens, lengths = encode(texts)
+            vocabulary = {
+                "tokenizer": self.tokenizer,
+                "eos_id": encode.separator_id,
+                "tokenizer_hash": encode.content_hash,
+            }
+            return tokens, np.cumsum(lengths) - lengths, vocabulary
+
+        tokens, starts, vocabulary = (job or Job())(make)
+        return TokenShards.from_tokens(tokens, starts, f"{self.path}:{role} held out", vocabulary)
 
 
 class HFTextDataModule(PlanDataModule):
@@ -298,5 +330,6 @@ class HFTextDataModule(PlanDataModule):
 
     def build_sources(self) -> list[tuple[str, TokenWindows | None, dict[str, TokenWindows]]]:
         if self.streaming:
-            return [("train", None, self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.job))]
+            held = self.source.evaluation_windows(self.seq_len, self.pack_sequences, self.job, self._stream.stream)
+            return [("train", None, held)]
         return [("train", *self.source.build(self.seq_len, self.pack_sequences, self.job))]

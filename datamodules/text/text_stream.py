@@ -16,10 +16,15 @@ again: every unit of the passes they had begun that was not read to its end beco
 then unit) to the new readers, which read them first, then go on with the next pass in the usual
 way; each old reader's unbatched tokens go to new reader ``old % new``, ahead of its items. Every
 document is read once across the change; only the order differs from a run on the new readers.
+
+Held-out documents (``held_out``: validation and test fractions) are chosen by a keyed hash of their
+text, so the choice does not depend on units, readers or the seed: the readers skip them, and
+``held_out_documents`` reads them out of every unit for evaluation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -56,6 +61,8 @@ class TextStream(Stream):
         shuffle_rows: rows read in one seeded order (the shuffle's reach inside a unit).
         on_bad_row: a row without text stops the stream (``"raise"``) or is skipped (``"skip"``).
             Empty texts are always skipped; a reader logs what it skipped at the end of each pass.
+        held_out: the fractions of documents held out for validation and for test (``held_out_role``),
+            which the readers never train on.
     """
 
     def __init__(
@@ -69,6 +76,7 @@ class TextStream(Stream):
         add_bos: bool = False,
         shuffle_rows: int = 10_000,
         on_bad_row: str = "raise",
+        held_out: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.units, self.tokenizer = units, tokenizer
         self.seq_len, self.batch_size, self.pack_sequences = seq_len, batch_size, pack_sequences
@@ -82,7 +90,9 @@ class TextStream(Stream):
             "add_bos": add_bos,
             "shuffle_rows": shuffle_rows,
             **({"on_bad_row": on_bad_row} if on_bad_row != "raise" else {}),
+            **({"held_out": list(held_out)} if any(held_out) else {}),
         }
+        self.held_out = held_out
         self.unit_parts: int | None = None  # each unit cut into this many row ranges (fixed once read)
 
     def identity(self) -> dict[str, Any]:
@@ -132,7 +142,9 @@ class TextStream(Stream):
         self, pass_: int, unit: int, first_block: int, first_row: int, skipped: list[int]
     ) -> Iterator[tuple[int, int, str]]:
         """``(block, next row, text)`` of each document of ``unit`` in pass ``pass_``'s order, from
-        ``(first_block, first_row)`` on; rows skipped are counted in ``skipped[0]``."""
+        ``(first_block, first_row)`` on; rows skipped are counted in ``skipped[0]``; held-out documents
+        are passed over."""
+        held = any(self.held_out)
         blocks = self.units.blocks(unit, first_block, self.shuffle_rows)
         for block, (table, start, values) in enumerate(blocks, start=first_block):
             if self.on_bad_row == "raise":
@@ -140,10 +152,10 @@ class TextStream(Stream):
             order = self._row_order(pass_, unit, block, len(values))
             for row in range(first_row, len(values)):
                 text = values[order[row]]
-                if isinstance(text, str) and text:
-                    yield block, row + 1, text
-                else:
+                if not (isinstance(text, str) and text):
                     skipped[0] += 1
+                elif not held or held_out_role(text, *self.held_out) is None:
+                    yield block, row + 1, text
             first_row = 0
 
     def _documents_from(
@@ -188,6 +200,17 @@ class TextStream(Stream):
                     cursor[0],
                 )
             cursor, skipped[0] = (cursor[0] + 1, 0, 0, 0), 0
+
+    def held_out_documents(self, role: str) -> list[str]:
+        """The documents held out for ``role`` (``"validation"`` or ``"test"``), from every unit in
+        order: a read of the whole dataset, with a progress bar."""
+        from tqdm.auto import tqdm
+
+        texts = []
+        for unit in tqdm(range(len(self.units)), desc=f"held-out {role} documents", unit="unit"):
+            for _, _, values in self.units.blocks(unit, 0, self.shuffle_rows):
+                texts += [t for t in values if isinstance(t, str) and t and held_out_role(t, *self.held_out) == role]
+        return texts
 
     def read(self, reader: int, num_readers: int, state: ReaderState | None) -> Iterator[tuple[Any, ReaderState]]:
         work = _work(state)
@@ -256,6 +279,19 @@ class TextStream(Stream):
         if self.pack_sequences:
             raw["document_starts"] = view(starts, self.seq_len + 1)[:: self.seq_len].copy()
         return raw
+
+
+_HELD_OUT_KEY = b"datamodules held-out documents"  # fixed: the choice moves with the text, not the seed
+
+
+def held_out_role(text: str, val_fraction: float, test_fraction: float) -> str | None:
+    """``"validation"``, ``"test"`` or ``None`` (trained), by where a keyed hash of ``text`` falls in
+    ``[0, 1)``: below ``val_fraction``, then below ``val_fraction + test_fraction``."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8, key=_HELD_OUT_KEY).digest()
+    where = int.from_bytes(digest, "little") / 2**64
+    if where < val_fraction:
+        return "validation"
+    return "test" if where < val_fraction + test_fraction else None
 
 
 def _buffers(tokens: np.ndarray, starts: np.ndarray) -> dict[str, torch.Tensor]:

@@ -21,7 +21,14 @@ from datamodules.text.prepare import DocumentTokenizer
 from datamodules.text.prepare_inputs import PrepareError
 from datamodules.text.text_stream import TextStream
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, batch_digest, fit_in_a_plain_script, fit_records, quiet_trainer
+from tests.support import (
+    RecordingModel,
+    batch_digest,
+    fit_in_a_plain_script,
+    fit_records,
+    quiet_trainer,
+    real_rows,
+)
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 DOCS = [f"{i} " + " ".join(random.Random(i).choices(_WORDS, k=3 + i % 17)) for i in range(300)]
@@ -313,9 +320,52 @@ def test_an_endless_stream_without_max_steps_is_an_error_before_training(tmp_pat
         quiet_trainer(max_epochs=1).fit(RecordingModel(), datamodule=dm)
 
 
-def test_a_stream_validates_on_val_split_not_val_fraction(tmp_path: Path, tokenizer: str) -> None:
-    dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=50), val_fraction=0.1)
-    with pytest.raises(ValueError, match=r"val_fraction=0.1 needs the tokenized cache \(streaming=False\)"):
+def held_out_stream(tmp_path: Path, tokenizer: str, layout: str) -> TextStream:
+    tmp_path.mkdir()
+    if layout == "parquet":
+        data = {"data_files": parquet(tmp_path, 3, row_group=7)}
+    else:
+        data = {"path": "json", "data_files": jsonl(tmp_path, 5)}
+    return stream_dm(tokenizer, val_fraction=0.1, test_fraction=0.05, **data).build_stream()
+
+
+def test_a_stream_holds_out_the_same_documents_however_it_is_cut_and_its_readers_never_read_them(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    streams = {layout: held_out_stream(tmp_path / layout, tokenizer, layout) for layout in ("parquet", "json")}
+    held = {
+        layout: {role: stream.held_out_documents(role) for role in ("validation", "test")}
+        for layout, stream in streams.items()
+    }
+    # The same documents from 45 parquet row groups as from 5 JSON files: chosen by their text alone.
+    assert {role: Counter(docs) for role, docs in held["parquet"].items()} == {
+        role: Counter(docs) for role, docs in held["json"].items()
+    }
+    validation, test = held["parquet"]["validation"], held["parquet"]["test"]
+    assert not set(validation) & set(test)
+    assert 10 <= len(validation) <= 50 and 3 <= len(test) <= 30  # 10% and 5% of 300 documents
+    trained = Counter(DOCS) - Counter(validation) - Counter(test)
+    for stream in streams.values():
+        for readers in (1, 4):  # one process, or 2 ranks x 2 workers
+            for pass_ in (0, 1):
+                read = Counter(doc for r in range(readers) for doc in stream.documents(r, readers, pass_))
+                assert read == trained
+
+
+def test_a_stream_validates_on_every_held_out_document_once(tmp_path: Path, tokenizer: str) -> None:
+    files = parquet(tmp_path, 3, row_group=7)
+    dm = stream_dm(tokenizer, data_files=files, val_fraction=0.1, num_workers=2)
+    dm.setup("fit")
+    windows = [batch["input_ids"][real_rows(batch)] for batch in dm.val_dataloader()]  # padding rows aside
+    held = dm.build_stream().held_out_documents("validation")
+    expected = DocumentTokenizer(tokenizer)(held)[0].tolist()
+    validated = [token for rows in windows for row in rows.tolist() for token in row]
+    assert validated == expected[: len(validated)] and len(expected) - len(validated) < SEQ_LEN + 1
+
+
+def test_a_fraction_that_holds_out_no_document_is_an_error_at_setup(tmp_path: Path, tokenizer: str) -> None:
+    dm = stream_dm(tokenizer, data_files=parquet(tmp_path, 1, row_group=50), val_fraction=1e-9)
+    with pytest.raises(ValueError, match=r"val_fraction=1e-09 holds out no document of 'parquet': use a larger"):
         dm.setup("fit")
 
 
