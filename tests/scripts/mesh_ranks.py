@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
         "digests": [batch_digest(b) for b in batches],
     }
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(record))
+    # As fit ends: the loaders are closed (a group's transfer threads hear their end) before the
+    # process group goes; destroying it under a transfer still in flight would abort the process.
+    datamodule.teardown("fit")
     dist.barrier()
     dist.destroy_process_group()
 
