@@ -142,10 +142,10 @@ class BroadcastLoader:
 
     def __iter__(self) -> Iterator[Any]:
         group = self.broadcast
-        channel = _Channel(group.group, group.leader)
         if self.ahead:
             batches = self._ahead()
         else:
+            channel = _Channel(group.group, group.leader)
             batches = _lead(self.loader, channel) if group.leads else _follow(channel)
         return batches if group.split is None else map(group.split, batches)
 
@@ -222,8 +222,7 @@ class _Transfer:
         sender.end()
 
     def _receive(self, channel: _Channel) -> None:
-        receiver = _Receiver(channel)
-        while (batch := receiver.receive()) is not None:
+        for batch in _follow(channel):  # after the loop left, dropped until the end arrives
             self._put(batch)
 
     def _put(self, item: Any) -> bool:

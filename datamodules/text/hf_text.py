@@ -28,6 +28,7 @@ from datamodules.text.document_units import document_units
 from datamodules.text.prepare import (
     FORMAT_VERSION,
     DocumentTokenizer,
+    evaluation_vocabulary,
     prepare,
     tokenize_to_memory,
     tokenizer_identity,
@@ -198,12 +199,7 @@ class HFTextSource(SourceSpec):
                 raise ValueError(f"{option}={fraction} holds out no document of {self.path!r}: use a larger fraction")
             encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
             tokens, lengths = encode(texts)
-            vocabulary = {
-                "tokenizer": self.tokenizer,
-                "eos_id": encode.separator_id,
-                "tokenizer_hash": encode.content_hash,
-            }
-            return tokens, np.cumsum(lengths) - lengths, vocabulary
+            return tokens, np.cumsum(lengths) - lengths, evaluation_vocabulary(self.tokenizer, encode)
 
         tokens, starts, vocabulary = (job or Job())(make)
         return TokenShards.from_tokens(tokens, starts, f"{self.path}:{role} held out", vocabulary)

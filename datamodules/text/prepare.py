@@ -340,12 +340,16 @@ def tokenize_to_memory(
     tokens = np.concatenate([t for t, _ in parts])
     lengths = np.concatenate([n for _, n in parts])
     log.info("tokenized the evaluation set %s: %d tokens in %d documents", corpus.describe(), len(tokens), len(lengths))
-    vocabulary = {
+    return tokens, np.cumsum(lengths) - lengths, evaluation_vocabulary(tokenizer, document_tokenizer)
+
+
+def evaluation_vocabulary(tokenizer: str, document_tokenizer: DocumentTokenizer) -> dict[str, Any]:
+    """What an evaluation set held in memory says of its tokens, for the checks against training's."""
+    return {
         "tokenizer": tokenizer,
         "eos_id": document_tokenizer.separator_id,
         "tokenizer_hash": document_tokenizer.content_hash,
     }
-    return tokens, np.cumsum(lengths) - lengths, vocabulary
 
 
 def _write(

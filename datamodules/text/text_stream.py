@@ -217,7 +217,7 @@ class TextStream(Stream):
         if not len(work) and reader in self.idle_readers(num_readers):
             return
         encode = DocumentTokenizer(self.tokenizer, add_bos=self.add_bos)
-        start = (0, 0, 0, 0) if state is None else tuple(int(state[k]) for k in _CURSOR)
+        start = _cursor(state)
         tokens = np.empty(0, np.int32) if state is None else state["tokens"].numpy()
         starts = np.empty(0, bool) if state is None else state["starts"].numpy()
         pieces, flags, have = [tokens], [starts], len(tokens)
