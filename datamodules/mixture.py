@@ -19,6 +19,7 @@ from datamodules.plan.arguments import require_int
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import Source, SourceSpec, same_tokenizer
 from datamodules.plan.sample_plan import MIXING_RULE, SamplePlan, Segment
+from datamodules.plan.stream import Stream
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,14 @@ class MixtureDataModule(PlanDataModule):
     drawn). A source that runs out starts a new, freshly shuffled
     pass. Weights change at exact steps through the ``PhaseScheduler`` callback; resume is exact
     across a change, and elastic (a new data-parallel size continues at the saved position).
+
+    A streamed source (``HFTextSource(..., streaming=True)``) is read in order by readers of its own
+    (a reader per rank and DataLoader worker): the plan's positions of it take each rank's next windows
+    of the stream, so its counts per batch and its share are the plan's like any source's. Its state
+    (readers, and the windows read but not yet trained) is in the checkpoint: a resume is exact on
+    the same ranks and workers, and on others every window and document is still trained once. It
+    mixes with sources of token windows, and needs at least one that is not a stream; the epoch is
+    the other sources' windows, the stream counting for none.
 
     Args:
         sources: the components: a mapping ``{name: {weight, source}}`` (the YAML form, whose
@@ -186,8 +195,11 @@ class MixtureDataModule(PlanDataModule):
 
     test_options = "give one of its sources a test split (test_fraction, test_split, test_dir or test_manifest)"
 
-    def build_sources(self) -> list[tuple[str, Source, dict[str, Source]]]:
-        built = [(c.name, *c.source.build(self.seq_len, self.pack_sequences, self.job)) for c in self.components]
+    def build_sources(self) -> list[tuple[str, Source | Stream, dict[str, Source]]]:
+        built = []
+        for c in self.components:
+            streamed = c.source.build_stream(self.seq_len, self.batch_size, self.pack_sequences, self.seed, self.job)
+            built.append((c.name, *(streamed or c.source.build(self.seq_len, self.pack_sequences, self.job))))
         known = [(name, train.vocabulary) for name, train, _ in built if getattr(train, "vocabulary", None)]
         for name, vocabulary in known[1:]:
             first, first_vocabulary = known[0]
@@ -271,7 +283,9 @@ class MixtureDataModule(PlanDataModule):
         if self.plan is None:
             return {}
         drawn = self.plan.samples_drawn(self.positions_consumed if position is None else position)
-        return {
-            s.name: {"samples": int(d), "tokens": int(d) * self.seq_len, "passes": int(d) / s.num_samples}
-            for s, d in zip(self.sources, drawn, strict=True)
-        }
+        counts = {}
+        for s, d in zip(self.sources, drawn, strict=True):
+            counts[s.name] = {"samples": int(d), "tokens": int(d) * self.seq_len}
+            if "stream" not in s.details:  # a stream's passes are not known ahead
+                counts[s.name]["passes"] = int(d) / s.num_samples
+        return counts

@@ -31,7 +31,8 @@ from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, des
 from datamodules.plan.sampler import PlanSampler
 from datamodules.plan.sequence_split import SequenceSplit
 from datamodules.plan.stopping import STOP, RankVote
-from datamodules.plan.stream import Stream, StreamTraining, gathered
+from datamodules.plan.stream import Stream, StreamTraining, as_tensor, gathered
+from datamodules.plan.stream_slots import STREAM_SAMPLES, StreamSlots, left_for
 from datamodules.plan.trained_spans import TrainedSpans
 from datamodules.plan.worker_start import start_method
 
@@ -129,6 +130,10 @@ class PlanDataModule(LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         self._resume_checked = False  # a checkpoint's state of this DataModule, or its absence, was looked at
         self._stream: StreamTraining | None = None
+        # Streams among the plan's sources (a mixture's streamed components), by plan source id.
+        self._plan_streams: dict[int, StreamTraining] = {}
+        self._slots: StreamSlots | None = None
+        self._slots_resumed: tuple[dict[int, int], dict[int, dict[str, Any]]] = ({}, {})
         self._trained: TrainedSpans | None = None  # with batches out of order: which were trained
         self._resume_spans: list[int] = []  # this rank's spans trained out of order before the checkpoint
         self.phases: list[dict[str, Any]] | None = None  # the PhaseScheduler's schedule, when one runs
@@ -231,13 +236,16 @@ class PlanDataModule(LightningDataModule):
                 self._held = held_by_role(self.build_sources())
         if not self._built:
             parts = self.build_sources()
-            trains = [train for _, train, _ in parts]
+            streams = {i: train for i, (_, train, _) in enumerate(parts) if isinstance(train, Stream)}
+            trains = [train for i, (_, train, _) in enumerate(parts) if i not in streams]
+            self._check_streams(parts, streams, trains)
             self._train = trains[0] if len(trains) == 1 else type(trains[0]).join(trains)
             self._held = held_by_role(parts)
-            self.sources = [
-                PlannedSource(name, len(train), train.fingerprint, dict(getattr(train, "details", {})))
-                for name, train, _ in parts
-            ]
+            self.sources = [planned_source(name, train) for name, train, _ in parts]
+            owner = type(self).__name__
+            self._plan_streams = {
+                i: StreamTraining(stream, f"{owner} source {parts[i][0]!r}") for i, stream in streams.items()
+            }
         self.dp_rank, self.dp_size = data_parallel_rank_and_size(self.trainer)
         if (self.broadcast_within or self.split_sequence_for) is not None and self._broadcast is None:
             self._broadcast = self._broadcast_group()
@@ -245,6 +253,27 @@ class PlanDataModule(LightningDataModule):
             self.check_global_batch()
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
+
+    def _check_streams(self, parts: list[tuple[str, Any, Any]], streams: dict[int, Stream], trains: list) -> None:
+        """Streams among the sources need a map-style source beside them, whose samples they match."""
+        if not streams:
+            return
+        names = [name for name, _, _ in parts]
+        if not trains:
+            raise ValueError(
+                f"{type(self).__name__}: sources {names} are all streams; a plan needs at least one map-style "
+                "source beside its streams (token shards, or a HuggingFace dataset without streaming)"
+            )
+        if not self.in_order:
+            raise ValueError(f"{type(self).__name__}: streamed sources give their samples in order; keep in_order=True")
+        for i, stream in streams.items():
+            for name, train, _ in parts:
+                if not isinstance(train, Stream) and getattr(train, "raw_layout", None) != stream.raw_layout:
+                    raise ValueError(
+                        f"{type(self).__name__}: the streamed source {names[i]!r} gives {stream.raw_layout}, but "
+                        f"source {name!r} gives {getattr(train, 'raw_layout', type(train).__name__)}; a stream mixes "
+                        "only with sources of the same samples"
+                    )
 
     def _broadcast_group(self) -> BroadcastGroup | None:
         """This rank's group of ``broadcast_within`` and ``split_sequence_for``, its ranks checked to share a
@@ -362,7 +391,7 @@ class PlanDataModule(LightningDataModule):
         step = getattr(self.trainer, "global_step", 0)
         self._continue_checkpoint_phases(step)
         self.plan = self.build_plan(self._anchor_positions, step)
-        dataset = PlanDataset(train, self.plan)
+        dataset = PlanDataset(train, self.plan, streams=frozenset(self._plan_streams))
         # Whole optimizer steps per epoch, so every global batch is one optimizer step.
         steps_per_epoch = max(1, len(train) // self.global_batch_size)
         self._sampler = PlanSampler(
@@ -383,7 +412,29 @@ class PlanDataModule(LightningDataModule):
             dataset.tag_positions = True
         self._align_epoch_progress()
         self._log_summary(steps_per_epoch)
-        return self._loader(dataset, self._sampler, ahead=BATCHES_AHEAD)
+        loader = self._loader(dataset, self._sampler, ahead=BATCHES_AHEAD)
+        if self._plan_streams:
+            plan_loader = getattr(loader, "loader", loader)  # under a BroadcastLoader, the loader it reads
+            plan_loader.fill_streams = self._stream_slots().fill
+        return loader
+
+    def _stream_slots(self) -> StreamSlots:
+        """The plan's streams on this rank, from where the trained batches left them."""
+        handed = self._batches_trained()
+        if self._slots is not None:  # a reloaded train loader: the old one's state at the loop's count
+            read, left = self._slots.state_at(handed)
+            self._slots.close()
+        else:
+            read, left = self._slots_resumed
+        loaders = {}
+        for s, training in self._plan_streams.items():
+            loaders[s] = training.loader(
+                self.dp_rank, self.dp_size, self.num_workers, read.get(s, 0), lambda: None, None,
+                prefetch_factor=self.prefetch_factor,
+            )  # fmt: skip
+            self._loaders.add(loaders[s])
+        self._slots = StreamSlots(loaders, handed, read, left)
+        return self._slots
 
     @property
     def _known_epoch_end(self) -> int | None:
@@ -525,14 +576,15 @@ class PlanDataModule(LightningDataModule):
         rows = []
         for i, source in enumerate(self.sources):
             seq_len = source.details.get("seq_len", 0)
+            stream = "stream" in source.details  # endless: samples and passes are not known
             rows.append(
                 [
                     str(i),
                     source.name,
-                    f"{source.num_samples:,}",
-                    f"{source.num_samples * seq_len:,}" if seq_len else "-",
+                    "stream" if stream else f"{source.num_samples:,}",
+                    f"{source.num_samples * seq_len:,}" if seq_len and not stream else "-",
                     f"{weights[i]:.4g}",
-                    f"{drawn[i] / source.num_samples:.2f}" if drawn is not None else "-",
+                    f"{drawn[i] / source.num_samples:.2f}" if drawn is not None and not stream else "-",
                 ]
             )
         passes = f"Passes in max_steps={max_steps}" if max_steps else "Passes"
@@ -619,7 +671,8 @@ class PlanDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         if self._stream is not None:
-            return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, self._batches_trained())}
+            reads = self._broadcast is None or self._broadcast.leads
+            return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, self._batches_trained(), reads)}
         state: dict[str, Any] = {"positions_consumed": self.positions_consumed}
         if self._trained is not None:
             state.update(self._out_of_order_state())
@@ -627,11 +680,39 @@ class PlanDataModule(LightningDataModule):
             state.update(plan_fingerprint=self._fingerprint(), plan=self.plan_identity())
         segments = self.plan.segments if self.plan is not None else self._saved_segments
         state["segments"] = [[s.first_position, s.block_size, list(s.probabilities)] for s in segments]
+        if self._plan_streams:
+            state["streams"] = self._streams_state()
         if self._known_epoch_end is not None:
             state["epoch_end"] = self._known_epoch_end
         if self.phases is not None:
             state["phases"] = self.phases
         return state
+
+    def _streams_state(self) -> dict[str, Any]:
+        """Each plan stream's readers and, per data-parallel rank, the stream batches it read and the
+        samples it left, after the batches trained (collectives: only rank 0 writes the checkpoint)."""
+        read, left = self._slots.state_at(self._batches_trained()) if self._slots else self._slots_resumed
+        reads = self._broadcast is None or self._broadcast.leads
+        states = {}
+        for s, training in self._plan_streams.items():
+            state = training.state_dict(self.dp_size, self.num_workers, read.get(s, 0), reads)
+            mine = {"batches": read.get(s, 0), "left": {k: as_tensor(v) for k, v in left.get(s, {}).items()}}
+            states[self.sources[s].name] = {**state, "data_parallel_ranks": gathered({self.dp_rank: mine}, reads)}
+        return states
+
+    def _load_streams_state(self, saved: dict[str, Any]) -> None:
+        """Each plan stream resumed: on the checkpoint's ranks, where this rank stood; on others, the
+        readers' work dealt anew (``StreamTraining``) and the samples left by old rank ``r`` to ``r % new``."""
+        read, left = {}, {}
+        for s, training in self._plan_streams.items():
+            state = saved.get(self.sources[s].name)
+            if state is None or not training.load_state_dict(state, self.allow_plan_change):
+                continue  # a changed stream, allowed: it starts from its beginning
+            ranks = {int(r): part for r, part in state["data_parallel_ranks"].items()}
+            if state["ranks"] == self.dp_size:
+                read[s] = int(ranks[self.dp_rank]["batches"])
+            left[s] = left_for(ranks, self.dp_rank, self.dp_size)
+        self._slots, self._slots_resumed = None, (read, left)
 
     def _out_of_order_state(self) -> dict[str, Any]:
         """Every rank's trained spans (a collective: each rank trained other spans, and only rank 0
@@ -685,6 +766,8 @@ class PlanDataModule(LightningDataModule):
                 )
             self._resume_spans = list(out_of_order["spans"][self.dp_rank])
         self._saved_segments = [Segment(p, b, tuple(c)) for p, b, c in state_dict.get("segments", [])]
+        if self._plan_streams:
+            self._load_streams_state(state_dict.get("streams", {}))
 
 
 def datamodule_states(path: str | Path) -> list[str]:
@@ -707,6 +790,17 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *rows]]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def planned_source(name: str, train: Source | Stream) -> PlannedSource:
+    """A source as the plan sees it; a stream counts as endless (``STREAM_SAMPLES``), its identity its
+    fingerprint."""
+    if not isinstance(train, Stream):
+        return PlannedSource(name, len(train), train.fingerprint, dict(getattr(train, "details", {})))
+    identity = json.dumps(train.identity(), sort_keys=True, default=str).encode()
+    fingerprint = hashlib.blake2b(identity, digest_size=16).hexdigest()
+    details = {"stream": train.describe(), "seq_len": train.sample_tokens}
+    return PlannedSource(name, STREAM_SAMPLES, fingerprint, details)
 
 
 def held_by_role(parts: list[tuple[str, Any, Any]]) -> dict[str, list[tuple[str, Source]]]:

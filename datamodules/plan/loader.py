@@ -11,7 +11,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -24,12 +24,17 @@ from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.stopping import from_workers, stop_together
 from datamodules.plan.worker_start import keep_inherited_memory_shared
 
+if TYPE_CHECKING:
+    from datamodules.plan.stream import Stream
+
 IGNORE_INDEX = -100  # label of a position that takes no loss (PyTorch cross-entropy's ignore_index)
 _CHUNK = 4096
 MESSAGE_BATCHES = 16  # micro-batches per worker message, unless a source says otherwise
 # With ``in_order=False``, each batch names the first plan position of its span (a plain int, popped
 # before the model sees the batch), so the DataModule can record which batches were trained.
 POSITION = "plan_position"
+# With streams in the plan, each row's plan source (``StreamSlots`` fills the streams' rows).
+PLAN_SOURCES = "plan_sources"
 
 
 class Source(Protocol):
@@ -79,32 +84,38 @@ class PlanDataset(Dataset):
             ``None`` reads an endless stream of passes.
     """
 
-    def __init__(self, source: Source, plan: SamplePlan, limit: int | None = None) -> None:
+    def __init__(
+        self, source: Source, plan: SamplePlan, limit: int | None = None, streams: frozenset[int] = frozenset()
+    ) -> None:
         self.source = source
         self.plan = plan
         self.limit = limit
-        # Where each plan source starts inside the joined ``source``.
-        self._offsets = np.cumsum([0] + [s.num_samples for s in plan.sources[:-1]])
-        self._chunk = (0, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        self.streams = streams
+        # Where each plan source starts inside the joined ``source`` (a stream has no part in it).
+        sizes = [0 if i in streams else s.num_samples for i, s in enumerate(plan.sources)]
+        self._offsets = np.cumsum([0] + sizes[:-1])
+        empty = np.empty(0, dtype=np.int64)
+        self._chunk = (0, empty, empty, empty)
         self.tag_positions = False  # set by a loader that hands batches over out of order
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def _indices(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample indices (in the joined source) and passes of positions ``[first, stop)``."""
+    def _indices(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sample indices (in the joined source), passes and plan sources of positions ``[first, stop)``."""
         # The plan is evaluated a chunk of positions at a time: its per-call overhead then vanishes.
-        chunk_first, indices, passes = self._chunk
+        chunk_first, indices, passes, sources = self._chunk
         if not chunk_first <= first <= stop <= chunk_first + len(indices):
             sources, indices, passes = self.plan.locate_in_passes(np.arange(first, first + max(_CHUNK, stop - first)))
             indices += self._offsets[sources]
-            self._chunk = chunk_first, indices, passes = first, indices, passes
-        return indices[first - chunk_first : stop - chunk_first], passes[first - chunk_first : stop - chunk_first]
+            self._chunk = chunk_first, indices, passes, sources = first, indices, passes, sources
+        span = slice(first - chunk_first, stop - chunk_first)
+        return indices[span], passes[span], sources[span]
 
     def __getitem__(self, span: tuple[int, int]) -> dict[str, np.ndarray]:
         """Samples at positions ``[first, stop)``; positions from ``limit`` on are padding."""
-        indices, extra, valid = self._request(span)
-        return self._finish(self.source.fetch(indices, **extra), span, valid)
+        indices, extra, marks = self._request(span)
+        return self._finish(self.source.fetch(indices, **extra), span, marks)
 
     def __getitems__(self, spans: list[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
         """The spans of one worker message (the DataLoader calls this when the dataset has it)."""
@@ -113,34 +124,39 @@ class PlanDataset(Dataset):
             return [self[span] for span in spans]
         requests = [self._request(span) for span in spans]
         raws = fetch_many([(indices, extra) for indices, extra, _ in requests])
-        return [self._finish(raw, span, valid) for raw, span, (_, _, valid) in zip(raws, spans, requests, strict=True)]
+        return [self._finish(raw, span, marks) for raw, span, (_, _, marks) in zip(raws, spans, requests, strict=True)]
 
-    def _finish(self, raw: dict[str, Any], span: tuple[int, int], valid: np.ndarray | None) -> dict[str, Any]:
-        if valid is not None:
-            raw["valid"] = valid
+    def _finish(self, raw: dict[str, Any], span: tuple[int, int], marks: dict[str, np.ndarray]) -> dict[str, Any]:
+        raw.update(marks)
         if self.tag_positions:
             raw[POSITION] = span[0]
         return raw
 
-    def _request(self, span: tuple[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
-        """``(indices, extra fetch arguments, valid)`` of a span; ``valid`` is ``None`` without padding."""
+    def _request(self, span: tuple[int, int]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(indices, extra fetch arguments, marks)`` of a span. ``marks`` go into the raw batch: which
+        rows are real (``valid``, where there is padding), and with streams each row's plan source
+        (``PLAN_SOURCES``): the source reads only the other rows, the loader fills the stream's."""
         first, stop = span
-        valid = None
+        positions = np.arange(first, stop)
+        marks = {}
         if self.limit is None:
-            indices, passes = self._indices(first, stop)
+            indices, passes, sources = self._indices(first, stop)
+            if self.streams:
+                marks[PLAN_SOURCES] = sources
+                mapped = ~np.isin(sources, list(self.streams))
+                indices, passes, positions = indices[mapped], passes[mapped], positions[mapped]
         else:
-            valid = np.arange(first, stop) < self.limit
+            marks["valid"] = valid = positions < self.limit
             indices = np.zeros(stop - first, dtype=np.int64)
             passes = np.zeros(stop - first, dtype=np.int64)
             real = int(valid.sum())
-            indices[:real], passes[:real] = self._indices(first, first + real)
+            indices[:real], passes[:real], _ = self._indices(first, first + real)
         extra = {}
         if getattr(self.source, "uses_sample_keys", False):
-            positions = np.arange(first, first + len(indices), dtype=np.uint64)
-            extra["keys"] = mix64(positions ^ mix64(np.array([self.plan.seed], dtype=np.uint64)))
+            extra["keys"] = mix64(positions.astype(np.uint64) ^ mix64(np.array([self.plan.seed], dtype=np.uint64)))
         if getattr(self.source, "uses_passes", False):
             extra["passes"] = passes
-        return indices, extra, valid
+        return indices, extra, marks
 
 
 def mask_labels(batch: dict[str, torch.Tensor], invalid: torch.Tensor) -> None:
@@ -221,6 +237,8 @@ class PlanDataLoader(DataLoader):
         # DataLoader's own pinning would only see the workers' numpy arrays.
         self.pin_batches = pin_memory
         self.stop_together = False
+        # With streams in the plan: a raw batch with its streams' rows filled in (``StreamSlots.fill``).
+        self.fill_streams: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.sampler)  # micro-batches, however many travel in one worker message
@@ -245,6 +263,8 @@ class PlanDataLoader(DataLoader):
         mask_rows = getattr(self.dataset.source, "mask_rows", mask_labels)
         for raw in raws:
             position = raw.pop(POSITION, None)
+            if PLAN_SOURCES in raw:
+                raw = self.fill_streams(raw)
             batch = to_batch(raw)
             if "valid" in raw:
                 mask_rows(batch, torch.from_numpy(~raw["valid"]))
@@ -297,6 +317,13 @@ class SourceSpec(ABC):
     def prepare(self) -> None:  # noqa: B027 (optional hook: most sources need no preparation)
         """Work done before ``build`` in one process per node, or one in all (Lightning's
         ``prepare_data``), such as tokenizing into a cache; nothing by default."""
+
+    def build_stream(
+        self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, job: Job | None = None
+    ) -> tuple[Stream, dict[str, Source]] | None:
+        """``(stream, held)`` for a source read as a stream (in order, by readers of its own) rather than
+        by plan position; ``None`` (default): a map-style source, which ``build`` builds."""
+        return None
 
     @abstractmethod
     def build(self, seq_len: int, pack_sequences: bool, job: Job | None = None) -> tuple[Source, dict[str, Source]]:

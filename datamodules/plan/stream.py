@@ -59,6 +59,8 @@ class Stream(ABC):
         not; a ``ValueError`` says why it cannot."""
 
     unit_parts: int | None = None  # how the stream cut its units for its readers (kept in the state)
+    # What a raw batch holds (a source of the plan with the same ``raw_layout`` mixes with the stream).
+    raw_layout = "raw batches"
 
     @abstractmethod
     def cut_units(self, parts: int) -> int:
@@ -153,16 +155,20 @@ class StreamLoader(DataLoader):
         return stop_together(self._batches()) if self.stop_together else self._batches()
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._raws is None:
-            self._raws = from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
         remaining = self.epoch_batches()
         to_batch = self.dataset.stream.to_batch
         while remaining is None or remaining > 0:
-            raw, reader, state = next(self._raws)
-            self.cursor.record(reader, state)
-            batch = to_batch(raw)
+            batch = to_batch(self.next_raw())
             yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_batches else batch
             remaining = None if remaining is None else remaining - 1
+
+    def next_raw(self) -> Any:
+        """The next raw batch, its reader's state after it recorded; the readers run on from the last."""
+        if self._raws is None:
+            self._raws = from_workers(self, super().__iter__) if self.num_workers else super().__iter__()
+        raw, reader, state = next(self._raws)
+        self.cursor.record(reader, state)
+        return raw
 
     def close(self) -> None:
         """Shut the workers down now (the DataModule's ``teardown``); the next iteration starts the
@@ -180,15 +186,17 @@ class StreamLoader(DataLoader):
         pass
 
 
-def gathered(local: dict[int, ReaderState]) -> dict[int, ReaderState]:
-    """Every rank's reader states, on every rank (a collective when a process group runs)."""
+def gathered(local: dict[int, Any], reads: bool = True) -> dict[int, Any]:
+    """Every rank's part (reader states, or anything keyed by reader or data-parallel rank), on every
+    rank (a collective when a process group runs). A rank that does not read (a ``broadcast_within``
+    peer, whose group's first rank reads for it) gives nothing, so its stale copy never wins."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(local)
-    parts: list[dict[int, ReaderState] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    merged: dict[int, ReaderState] = {}
+    parts: list[dict[int, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local if reads else {})
+    merged: dict[int, Any] = {}
     for part in parts:
-        merged.update(part or {})  # tensor-parallel peers share a data-parallel rank: same readers
+        merged.update(part or {})
     return merged
 
 
@@ -254,10 +262,11 @@ class StreamTraining:
         self._restored = {**saved, "ranks": world, "workers": workers}
         return states
 
-    def state_dict(self, world: int, num_workers: int, batches_trained: int) -> dict[str, Any]:
-        """This stream's state at the loop's batch count, with every rank's readers (collective)."""
+    def state_dict(self, world: int, num_workers: int, batches_trained: int, reads: bool = True) -> dict[str, Any]:
+        """This stream's state after ``batches_trained`` of its batches, with every rank's readers
+        (collective; ``reads``: whether this rank reads, see ``gathered``)."""
         ranks, workers = world, max(1, num_workers)
-        states = gathered(self.cursor.states_at(batches_trained))
+        states = gathered(self.cursor.states_at(batches_trained), reads)
         return {
             "stream": self.stream.identity(),
             "ranks": ranks,
@@ -267,17 +276,19 @@ class StreamTraining:
             "readers": {int(k): v for k, v in sorted(states.items())},
         }
 
-    def load_state_dict(self, state: dict[str, Any], allow_change: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any], allow_change: bool) -> bool:
+        """Resumes from ``state``; ``False`` where it was another stream's (allowed: this one starts anew)."""
         if state.get("stream") != self.stream.identity():
             message = f"{self.owner}: the stream differs from the checkpoint's (data, tokenizer, options or seed)"
             if not allow_change:
                 raise ValueError(message + "; pass allow_plan_change=True to start the new stream from its beginning")
             log.warning("%s; starting it from its beginning because allow_plan_change=True", message)
-            return
+            return False
         if state.get("unit_parts"):
             self.stream.cut_units(state["unit_parts"])
         self._restored = state
         self.cursor = StreamCursor(int(state["batches"]), {int(k): v for k, v in state["readers"].items()})
+        return True
 
 
 def as_tensor(values: np.ndarray) -> torch.Tensor:

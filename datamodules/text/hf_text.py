@@ -75,6 +75,11 @@ class HFTextSource(SourceSpec):
         storage_options: for a ``path`` or ``data_files`` at URLs (``s3://``, ``gs://``, ...), the
             fsspec filesystem's options, passed to ``datasets``. Remote files are keyed in the cache
             by their names, as hub datasets are.
+        streaming: no cache: the split is read, tokenized and packed as training goes, by a reader
+            per (rank, DataLoader worker) over its units (parquet row groups, ``save_to_disk`` row
+            ranges, or stream shards): ``TextStream``. In a ``MixtureDataModule``, the plan's positions
+            of this source take the rank's next windows of the stream.
+        shuffle_rows: with ``streaming``, rows read in one seeded order within a unit.
     """
 
     path: str
@@ -93,9 +98,12 @@ class HFTextSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     test_split: str | None = None
     test_fraction: float = 0.0
+    streaming: bool = False
+    shuffle_rows: int = 10_000
 
     def __post_init__(self) -> None:
         check_split_options(self.split, self.val_split, self.val_fraction, self.test_split, self.test_fraction)
+        require_int("shuffle_rows", self.shuffle_rows, 1)
         if self.num_proc is not None:
             require_int("num_proc", self.num_proc, 1)
         check_data_files(self.path, self.data_files)
@@ -120,6 +128,8 @@ class HFTextSource(SourceSpec):
         return Path(self.cache_dir) / f"{readable}-{key.hexdigest()}"
 
     def prepare(self) -> None:
+        if self.streaming:
+            return  # read as training goes: nothing to tokenize ahead
         prepare(
             self._corpus(self.split),
             self.cache_path(self.split),
@@ -160,10 +170,10 @@ class HFTextSource(SourceSpec):
         shards = self._open(self.split)
         return split_windows(shards, seq_len, pack_sequences, val, self.val_fraction, test, self.test_fraction)
 
-    def stream(self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, shuffle_rows: int) -> TextStream:
+    def stream(self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int) -> TextStream:
         """The training split streamed: read, tokenized and packed as training goes (no cache); the
         documents ``val_fraction`` and ``test_fraction`` hold out (by a hash of their text) left out."""
-        units = document_units(self._corpus(self.split), self.text_field, shuffle_rows)
+        units = document_units(self._corpus(self.split), self.text_field, self.shuffle_rows)
         return TextStream(
             units,
             self.tokenizer,
@@ -172,10 +182,18 @@ class HFTextSource(SourceSpec):
             pack_sequences,
             seed,
             self.add_bos,
-            shuffle_rows,
+            self.shuffle_rows,
             self.on_bad_row,
             (self.val_fraction, self.test_fraction),
         )
+
+    def build_stream(
+        self, seq_len: int, batch_size: int, pack_sequences: bool, seed: int, job: Job | None = None
+    ) -> tuple[TextStream, dict[str, TokenWindows]] | None:
+        if not self.streaming:
+            return None
+        stream = self.stream(seq_len, batch_size, pack_sequences, seed)
+        return stream, self.evaluation_windows(seq_len, pack_sequences, job, stream)
 
     def evaluation_windows(
         self, seq_len: int, pack_sequences: bool, job: Job | None, stream: TextStream
@@ -285,7 +303,6 @@ class HFTextDataModule(PlanDataModule):
         self.pack_sequences = pack_sequences
         self.prepare_data_per_node = prepare_data_per_node
         self.streaming = streaming
-        self.shuffle_rows = require_int("shuffle_rows", shuffle_rows, 1)
         if steps_per_epoch is not None and not streaming:
             raise ValueError(f"steps_per_epoch={steps_per_epoch} is for streaming=True; a cache's epoch is one pass")
         self.stream_steps_per_epoch = (
@@ -308,6 +325,8 @@ class HFTextDataModule(PlanDataModule):
             storage_options=storage_options,
             test_split=test_split,
             test_fraction=test_fraction,
+            streaming=streaming,
+            shuffle_rows=shuffle_rows,
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
@@ -315,12 +334,12 @@ class HFTextDataModule(PlanDataModule):
         return self.seq_len
 
     def source_specs(self) -> list[HFTextSource]:
-        return [] if self.streaming else [self.source]
+        return [self.source]
 
     def build_stream(self) -> TextStream | None:
         if not self.streaming:
             return None
-        return self.source.stream(self.seq_len, self.batch_size, self.pack_sequences, self.seed, self.shuffle_rows)
+        return self.source.stream(self.seq_len, self.batch_size, self.pack_sequences, self.seed)
 
     test_options = "give it test_split or test_fraction"
 

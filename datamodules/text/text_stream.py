@@ -24,6 +24,7 @@ text, so the choice does not depend on units, readers or the seed: the readers s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import logging
@@ -37,7 +38,7 @@ import torch
 from datamodules.plan.permutation import mix64, permute, round_keys
 from datamodules.plan.stream import ReaderState, Stream, as_tensor
 from datamodules.text.document_units import DocumentUnits, check_texts
-from datamodules.text.prepare import DocumentTokenizer, tokenizer_identity
+from datamodules.text.prepare import DocumentTokenizer, evaluation_vocabulary, tokenizer_identity
 from datamodules.text.token_windows import windows_to_batch
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,15 @@ class TextStream(Stream):
         self.held_out = held_out
         self.unit_parts: int | None = None  # each unit cut into this many row ranges (fixed once read)
 
+    raw_layout = "token windows"  # a batch's raw arrays are ``TokenWindows.fetch``'s: they mix in a plan
+
     def identity(self) -> dict[str, Any]:
         return self._identity
+
+    @functools.cached_property
+    def vocabulary(self) -> dict[str, Any]:
+        """What the ids mean (the tokenizer and its EOS), as token shards record it, for a mixture's check."""
+        return evaluation_vocabulary(self.tokenizer, DocumentTokenizer(self.tokenizer, add_bos=self.add_bos))
 
     def describe(self) -> str:
         return self.units.describe()

@@ -68,6 +68,8 @@ class TokenWindows:
         self._ends = np.array([self.num_windows], dtype=np.int64)
         self._shifts = np.array([first_token], dtype=np.int64)
 
+    raw_layout = "token windows"  # what ``fetch`` returns; a ``TextStream`` gives the same
+
     def __len__(self) -> int:
         return self.num_windows
 

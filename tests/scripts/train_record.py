@@ -10,7 +10,8 @@ which loader and sampler the training loop actually iterated, the positions cons
 learning rate of every optimizer step.
 
 ``--mixture a=dir_a:0.5,b=dir_b:0.5`` trains a ``MixtureDataModule`` of token-shard sources instead
-of ``--data``; ``--phases`` (a JSON list of ``{start_step, dataset_weights, lr_scale}``) adds a
+of ``--data`` (``--mixture-stream web:0.3:a.parquet,b.parquet`` adds a streamed parquet source, with
+``--tokenizer``); ``--phases`` (a JSON list of ``{start_step, dataset_weights, lr_scale}``) adds a
 ``PhaseScheduler``.
 
 Example::
@@ -42,6 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from datamodules import (  # noqa: E402
     ConversationDataModule,
     HFTextDataModule,
+    HFTextSource,
     HiddenStatesDataModule,
     ImageTextDataModule,
     MixtureComponent,
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-model", default="tiny-llama", help="with --server: the served model id")
     parser.add_argument("--max-failures", type=int, default=8, help="with --server: the circuit breaker")
     parser.add_argument("--streaming", action="store_true", help="HFTextDataModule(streaming=True)")
+    parser.add_argument("--mixture-stream", help="with --mixture: name:weight:file,... a streamed parquet source")
     parser.add_argument("--tokenizer", help="tokenizer path, with --hf-json")
     parser.add_argument("--hf-val-json", help="with --hf-json: a JSON-lines file as the 'validation' split")
     parser.add_argument("--cache-dir", help="HF text or tar index cache_dir; {node} is replaced by NODE_RANK")
@@ -228,7 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("datamodules.text.prepare").addHandler(tokenized)
     logging.getLogger("datamodules.text.prepare").setLevel(logging.INFO)
     if args.mixture:
-        datamodule: PlanDataModule = MixtureDataModule(mixture_components(args.mixture), **loading)
+        components = mixture_components(args.mixture)
+        if args.mixture_stream:
+            name, weight, files = args.mixture_stream.split(":", 2)
+            source = HFTextSource("parquet", args.tokenizer, data_files=files.split(","), streaming=True)
+            components.append(MixtureComponent(name, float(weight), source))
+        datamodule: PlanDataModule = MixtureDataModule(components, **loading)
     elif args.hf_parquet:
         datamodule = HFTextDataModule(
             "parquet", args.tokenizer, data_files=args.hf_parquet.split(","), streaming=args.streaming, **loading
