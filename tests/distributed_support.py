@@ -2,12 +2,20 @@
 
 Lightning's ``ddp`` strategy re-launches ``sys.argv`` for the other ranks, so training runs go through
 ``tests/scripts/train_record.py``, never inside the pytest process.
+
+Every rank is a process of its own, started here with the variables Lightning's own launcher gives
+its children (``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so
+Lightning launches nothing. A script of ``tests/scripts`` runs in a process forked from a server that
+imported it once per test session (``multiprocessing``'s forkserver with a preload): a fresh process
+for every rank of every run, without paying torch's and Lightning's imports (about 6 s of CPU) each time.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -23,6 +31,8 @@ from tests.support import read_records
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # the preloading server imports ``tests.scripts`` whatever the cwd
 TIMEOUT_S = 150
 
 # A launcher's rank variables leaking into the children would change what Lightning launches.
@@ -56,24 +66,78 @@ def launch_env(port: int, **extra: object) -> dict[str, str]:
     return env
 
 
+def ranks(cmd: list[str], port: int, devices: int, num_nodes: int = 1) -> list[tuple[list[str], dict[str, str]]]:
+    """``cmd`` once per rank of a job of ``num_nodes`` x ``devices``, each with the variables Lightning's
+    launcher gives the processes it starts (then it starts none)."""
+    world = devices * num_nodes
+    return [
+        (cmd, launch_env(port, NODE_RANK=node, LOCAL_RANK=local, WORLD_SIZE=world))
+        for node in range(num_nodes)
+        for local in range(devices)
+    ]
+
+
+_PRELOADED = multiprocessing.get_context("forkserver")
+_PRELOADED.set_forkserver_preload(["tests.distributed_support", "tests.scripts.train_record"])
+
+
+def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
+    """In a process forked from the preloaded server: ``script`` as ``__main__`` with ``argv`` and ``env``,
+    its output into ``log``, in a session of its own (a kill reaches its DataLoader workers)."""
+    os.setsid()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # read at import elsewhere
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+class _Forked:
+    """A script run by ``_run_script``, with the ``Popen`` methods ``run_processes`` uses."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self._process = _PRELOADED.Process(target=_run_script, args=(cmd[1], cmd[2:], env, str(log)))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self._process.exitcode
+
+
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen | _Forked:
+    if cmd[0] == sys.executable and Path(cmd[1]).parent == SCRIPTS:
+        return _Forked(cmd, env, log)
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def run_processes(
     commands: list[tuple[list[str], dict[str, str]]], log_dir: Path, settled: Callable[[], bool] | None = None
 ) -> None:
     """Start every command at once and wait for all; on a failure or timeout, kill them and show their logs.
 
-    Each process gets its own session, so a kill also reaches the ranks Lightning launched from it.
+    Each process gets its own session, so a kill also reaches the processes it started.
     With ``settled``, a failure is expected: the processes must exit with an error, and the ranks
     they launched get until ``settled()`` holds (or the timeout) before anything is killed.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for i, (cmd, env) in enumerate(commands):
-        log = log_dir / f"process{i}.log"
-        with open(log, "w") as out:
-            procs.append(
-                subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-        logs.append(log)
+        logs.append(log_dir / f"process{i}.log")
+        procs.append(_start(cmd, env, logs[-1]))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
     for proc in procs:
@@ -120,6 +184,10 @@ class Run:
     def error(self, rank: int) -> str:
         """The exception that ended the run on ``rank``."""
         return (self.root / f"info.error.rank{rank}").read_text()
+
+    def output(self) -> str:
+        """What every process of the run printed, rank after rank."""
+        return "".join(log.read_text() for log in sorted((self.root / "logs").glob("*.log")))
 
     def checkpoint(self, step: int) -> Path:
         return self.root / "checkpoints" / f"step={step}.ckpt"
@@ -173,7 +241,12 @@ def train_record(args: list[str], root: Path, num_nodes: int = 1, failing_ranks:
     cmd += ["--root", str(root), "--record", str(root / "records"), "--info", str(root / "info")]
     port = free_port()
     settled = (lambda: len(list(root.glob("info.error.rank*"))) == failing_ranks) if failing_ranks else None
-    run_processes([(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)], root / "logs", settled)
+    if "--strategy" in args and args[args.index("--strategy") + 1] == "ddp_spawn":  # Lightning's own spawn
+        commands = [(cmd, launch_env(port, NODE_RANK=node)) for node in range(num_nodes)]
+    else:
+        devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 1
+        commands = ranks(cmd, port, devices, num_nodes)
+    run_processes(commands, root / "logs", settled)
     return Run(root)
 
 

@@ -313,7 +313,9 @@ class MultipackBatchSampler(DistributedSampler):
         seed: the data-order seed; with the epoch (``set_epoch``) it fixes every row.
         over_long: ``"truncate"`` (default) or ``"drop"`` samples longer than a row; counted.
         max_batches: at most this many steps per epoch.
-        length_quantum: see ``PackedRows``.
+        length_quantum: lengths are rounded up to a multiple of this for packing (more samples
+            trade places between passes; the rows lose at most ``quantum - 1`` tokens a sample);
+            default ``total_seq_len // 2048``, at least 1.
 
     Example::
 

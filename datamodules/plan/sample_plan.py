@@ -26,7 +26,7 @@ rounding puts a hair off a whole count (0.7 of 10) from drawing an extra at bloc
 held in units of ``2^-64`` of a sample (exact fractions of the float probabilities), ``U_b`` in
 uint64 without overflow, and a source's extras over ``B`` blocks are a difference of two floor sums
 (``floor_sum``, a Euclid-like recursion in O(log B)). Measured by ``python -m
-benchmarks.mixture_shares`` over 200 random weight vectors: see the README.
+benchmarks.mixture_shares`` over 200 random weight vectors: see ``docs/sources/mixtures.md``.
 """
 
 from __future__ import annotations

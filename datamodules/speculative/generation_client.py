@@ -49,8 +49,9 @@ class GenerationServer:
             exponential backoff and jitter, moving to the next URL each time; a 4xx is not retried.
         validation_retries: further generations of a sample whose states came back wrong (token ids
             that differ, a wrong shape, NaN or infinite values).
-        backoff, max_backoff: the first retry waits ``backoff`` seconds (times a jitter in [0.5, 1]),
-            each next one twice as long, at most ``max_backoff``.
+        backoff: the first retry waits ``backoff`` seconds (times a jitter in [0.5, 1]), each next one
+            twice as long, at most ``max_backoff``.
+        max_backoff: the longest wait between two retries, in seconds.
         max_failures: the circuit breaker: after this many conversations in a row (in plan order)
             could not be generated, training stops on every rank with one error.
     """

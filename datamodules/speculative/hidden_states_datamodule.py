@@ -58,7 +58,10 @@ class HiddenStatesDataModule(PlanDataModule):
     dataset row ``i``, holding ``hidden_states`` ``[T, L, H]`` and ``token_ids`` ``[T]``. Rows are
     packed by multipack (``PackedRows``: best-fit decreasing, afresh every pass) and are the plan's
     samples: order, exact O(1) and elastic resume and coverage are the plan's, and the rows do not
-    depend on the number of ranks. Batches: see ``HiddenStateRows``.
+    depend on the number of ranks. Batches, one row of ``total_seq_len`` per rank: ``input_ids``,
+    ``loss_mask``, ``position_ids`` (restarting in every conversation), ``document_ids`` (``-1`` on
+    padding): ``[1, T]``; ``hidden_states`` (layers ``1..L-1`` side by side) ``[1, T, (L-1) * H]`` and
+    ``verifier_last_hidden_states`` ``[1, T, H]``, cast to ``dtype``.
 
     Args:
         data_dir: the ``save_to_disk`` folder.
@@ -82,7 +85,9 @@ class HiddenStatesDataModule(PlanDataModule):
             ``(-noise_std, noise_std)`` (its standard deviation is ``noise_std / sqrt(3)``) or
             ``"gaussian"`` with standard deviation ``noise_std``; default 0: none.
         over_long: a conversation longer than a row is ``"truncate"``-d (default) or ``"drop"``-ped.
-        length_quantum: see ``PackedRows``.
+        length_quantum: lengths are rounded up to a multiple of this for packing (more samples
+            trade places between passes; the rows lose at most ``quantum - 1`` tokens a sample);
+            default ``total_seq_len // 2048``, at least 1.
         preprocess: a function on each batch, such as
             ``datamodules.speculative.preprocess.shift_tokens_left`` (the EAGLE-3 shift).
         store: the hidden-states backend, a key of ``STORES`` (default ``"files"``).

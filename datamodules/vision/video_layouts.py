@@ -165,8 +165,10 @@ class FolderLayout(VideoLayout):
     object per clip.
 
     Args:
-        video_key: the key of the clip's path. text_key: of its caption or answer.
-        prompt_key: of its prompt (optional). duration_key: of its duration (optional).
+        video_key: the key of the clip's path.
+        text_key: the key of its caption or answer.
+        prompt_key: the key of its prompt (optional).
+        duration_key: the key of its duration (optional).
     """
 
     name = "folder"
@@ -209,8 +211,14 @@ class HFLayout(VideoLayout):
     clip paths under ``data_root``; the manifest is the dataset, ``val_manifest`` a split of it.
 
     Args:
-        split: the training split. video_field, text_field, prompt_field, duration_field: columns.
-        name: the dataset configuration. data_files, load_kwargs: ``load_dataset``'s.
+        split: the training split.
+        video_field: the column of clip paths.
+        text_field: the column of captions or answers.
+        prompt_field: the column of prompts (optional).
+        duration_field: the column of durations (optional).
+        name: the dataset configuration.
+        data_files: ``load_dataset``'s ``data_files``.
+        load_kwargs: further ``load_dataset`` arguments.
     """
 
     name = "hf"
@@ -251,9 +259,10 @@ class WebDatasetLayout(VideoLayout):
     Args:
         video_key: the clip's member, the first present of ``;``-separated choices.
         text_key: the caption's member, or ``"json:NAME"`` for a value in the sample's ``.json``.
-        prompt_key: the prompt's, likewise (optional). index_cache_dir: where the shards' member
-            indexes are kept (default ``~/.cache/datamodules/tar_index``). allow_compressed_tar:
-            decompress a compressed shard there once instead of refusing it.
+        prompt_key: the prompt's, likewise (optional).
+        index_cache_dir: where the shards' member indexes are kept (default
+            ``~/.cache/datamodules/tar_index``).
+        allow_compressed_tar: decompress a compressed shard there once instead of refusing it.
     """
 
     name = "webdataset"

@@ -16,7 +16,7 @@ import torch
 
 from datamodules import TokenShardDataModule
 from datamodules.plan.sequence_split import SequenceSplit
-from tests.distributed_support import REPO, free_port, launch_env, run_processes
+from tests.distributed_support import REPO, free_port, ranks, run_processes
 from tests.support import make_token_shards
 
 SEQ_LEN, BATCH, STEPS = 16, 2, 4
@@ -102,7 +102,7 @@ def train(root: Path, data: Path, cp: int, layout: str = "head_tail", seq_len: i
     cmd += ["--seq-len", str(seq_len), "--batch-size", str(BATCH), "--vocab", str(20 * SEQ_LEN), "--cp", str(cp)]
     cmd += ["--sequence-split", layout, "--workers", str(workers), "--max-steps", str(STEPS), "--out", str(out)]
     failing = seq_len % (2 * cp) != 0
-    run_processes([(cmd, launch_env(free_port()))], root / "logs", (lambda: True) if failing else None)
+    run_processes(ranks(cmd, free_port(), cp), root / "logs", (lambda: True) if failing else None)
     if failing:
         return (root / "logs" / "process0.log").read_text()
     return [[json.loads(line) for line in Path(f"{out}.rank{rank}").read_text().splitlines()] for rank in range(cp)]

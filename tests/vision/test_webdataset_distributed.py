@@ -59,9 +59,8 @@ def test_two_ranks_with_two_workers_train_every_sample_once_and_a_resume_on_one_
     assert Counter(rank0 + rank1) == train_rows and sum(train_rows.values()) == 32
     assert Counter(run.validated(0) + run.validated(1)) == val_rows and sum(val_rows.values()) == 8
     # The index cache started empty: the ranks split the shards, and wrote what one process writes.
-    logs = (tmp_path / "two" / "logs" / "process0.log").read_text()
     for rank, count in ((0, 2), (1, 1)):
-        assert f"indexed {count} of the 3 tar shards the job lacked here (rank {rank} of 2)" in logs
+        assert f"indexed {count} of the 3 tar shards the job lacked here (rank {rank} of 2)" in run.output()
     assert index_files(tmp_path / "two" / "index") == index_files(tmp_path / "index")
     # Elastic: the 2-rank checkpoint resumed on 1 rank trains the other half of the epoch, each sample once.
     resumed = train(data, tmp_path / "one", devices=1, val_fraction=0.2, max_epochs=1, resume=run.checkpoint(2))
@@ -98,7 +97,7 @@ def test_two_nodes_with_caches_of_their_own_index_each_shard_once_and_both_hold_
     args = ["--webdataset", pattern, "--tokenizer", tokenizer, "--seq-len", str(TEXT_LEN), "--batch-size", str(BATCH)]
     args += ["--strategy", "ddp", "--max-steps", "2", "--cache-dir", str(tmp_path / "node{node}")]
     run = train_record(args, tmp_path / "run", num_nodes=2)
-    logs = "".join(log.read_text() for log in sorted((tmp_path / "run" / "logs").glob("*.log")))
+    logs = run.output()
     for rank, count in ((0, 2), (1, 1)):  # each shard indexed by one rank of the job, not once per node
         assert f"indexed {count} of the 3 tar shards the job lacked here (rank {rank} of 2)" in logs
     source_rows(data, tmp_path, 0.0)  # one process's index files, in tmp_path / "index"
