@@ -91,6 +91,9 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> 
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
+    # A forkserver's child inherits ``forkserver`` as its start method: back to the platform's default, so
+    # its DataLoader workers start as they would in a fresh interpreter.
+    multiprocessing.set_start_method(None, force=True)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # read at import elsewhere
