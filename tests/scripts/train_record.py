@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--storage-options", type=json.loads, help="JSON: storage_options of a --data URL")
     data.add_argument("--mixture", help="name=dir:weight,... (MixtureDataModule of token-shard sources)")
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
-    data.add_argument("--hf-parquet", help="comma-separated parquet files (HFTextDataModule over 'parquet')")
+    data.add_argument("--hf-files", help="BUILDER:file,file,... (HFTextDataModule over load_dataset(BUILDER))")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
     data.add_argument("--webdataset", help="tar shards, a brace pattern (ImageTextDataModule, path='webdataset')")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
@@ -237,9 +237,10 @@ def main(argv: list[str] | None = None) -> None:
             source = HFTextSource("parquet", args.tokenizer, data_files=files.split(","), streaming=True)
             components.append(MixtureComponent(name, float(weight), source))
         datamodule: PlanDataModule = MixtureDataModule(components, **loading)
-    elif args.hf_parquet:
+    elif args.hf_files:
+        builder, files = args.hf_files.split(":", 1)
         datamodule = HFTextDataModule(
-            "parquet", args.tokenizer, data_files=args.hf_parquet.split(","), streaming=args.streaming, **loading
+            builder, args.tokenizer, data_files=files.split(","), streaming=args.streaming, **loading
         )
     elif args.image_folder:
         datamodule = ImageTextDataModule(
