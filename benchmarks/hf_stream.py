@@ -111,6 +111,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.num_documents, args.resume_at, args.rounds, args.seconds, args.seq_len = 30_000, 20_000, 1, 0.5, 256
+        import datasets
+
+        # datasets sleeps 5 s after closing each parquet stream, for arrow's threads to finish
+        # (apache/arrow#45214); a smoke run closes three (the floors and the replay), a second apart at least.
+        datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0.5
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from datamodules import HFTextDataModule
 

@@ -127,6 +127,7 @@ def run_ours(bench: Bench, delay: int, workers: int) -> dict[str, float]:
         next(batches)
     seconds = time.perf_counter() - start
     after = bench.fetched(delay)
+    batches.close()  # its workers stop now: left to the collector, each waited out torch's 5 s join timeout
     return {
         "seconds": seconds,
         "fetched": after - before,
@@ -179,6 +180,7 @@ def first_batch_ours(bench: Bench, delay: int, workers: int, resume_step: int | 
     next(batches)
     seconds = time.perf_counter() - start
     fetched = bench.fetched(delay) - before
+    batches.close()  # as in run_ours
     return {"setup s": setup_s, "first batch s": seconds, "first batch bytes": fetched}
 
 

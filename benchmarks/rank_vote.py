@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    batches, rounds = (500, 2) if args.quick else (args.batches, args.rounds)
+    batches, rounds = (200, 1) if args.quick else (args.batches, args.rounds)
     timings = gloo_ranks(_rank, (batches, rounds))
     base, voted = timings["without the vote"], timings["with the vote"]
     rows = [

@@ -510,9 +510,9 @@ def main() -> None:
     if args.packed_probe:
         packed_probe(json.loads(args.packed_probe))
         return
-    if args.quick:
+    if args.quick:  # 2 ranks once (the token shards' fit needs R = 1, 2); the WebDataset jobs at 1 rank
         args.shards, args.ranks, args.delay_ms = [20], [1, 2], 0
-        args.samples, args.synthetic_samples, args.wds_ranks = [20_000], [200_000], [2]
+        args.samples, args.synthetic_samples, args.wds_ranks = [20_000], [200_000], [1]
         args.conversations = [100_000]
     with data_directory(args.data_dir) as data:
         started = time.perf_counter()

@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # child process: soak one source, print RESULT
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    scale = 0.02 if args.quick else args.scale
+    scale = 0.01 if args.quick else args.scale  # a smoke run: 200 and 100 batches, the fewest a source runs
     if args.one is not None:
         config, batches, overrides = SOURCES[args.one]
         batches = max(100, int(batches * scale))

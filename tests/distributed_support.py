@@ -101,6 +101,37 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> 
     runpy.run_path(script, run_name="__main__")
 
 
+def _run_module(module: str, argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """In a process forked from the preloaded server: ``python -m module *argv`` in ``env``, from the
+    repository root, its output into the files ``stdout`` and ``stderr``, in a session of its own."""
+    os.setsid()
+    for fd, path in ((1, stdout), (2, stderr)):
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def run_module(module: str, argv: list[str], output: Path, timeout: float) -> tuple[int, str, str]:
+    """``python -m module *argv`` (this process's environment, from the repository root) in a process
+    forked from the preloaded server, so torch's and Lightning's imports are paid once per session: its
+    exit code, stdout and stderr (kept in ``output``). Killed with the processes it started after ``timeout`` s."""
+    output.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = output / "stdout.log", output / "stderr.log"
+    process = _PRELOADED.Process(target=_run_module, args=(module, argv, dict(os.environ), str(stdout), str(stderr)))
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.join()
+        raise subprocess.TimeoutExpired(f"python -m {module}", timeout)
+    return process.exitcode, stdout.read_text(), stderr.read_text()
+
+
 class _Forked:
     """A script run by ``_run_script``, with the ``Popen`` methods ``run_processes`` uses."""
 
