@@ -5,17 +5,15 @@ Lightning's ``ddp`` strategy re-launches ``sys.argv`` for the other ranks, so tr
 
 Every rank is a process of its own, started here with the variables Lightning's own launcher gives
 its children (``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so
-Lightning launches nothing. A script of ``tests/scripts`` runs in a process forked from a server that
-imported it once per test session (``multiprocessing``'s forkserver with a preload): a fresh process
-for every rank of every run, without paying torch's and Lightning's imports (about 6 s of CPU) each time.
+Lightning launches nothing. Each runs in a process forked from the tests' preloaded server
+(``tests/preloaded.py``): a fresh process for every rank of every run, without paying torch's and
+Lightning's imports (about 6 s of CPU) each time.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
-import runpy
 import signal
 import socket
 import subprocess
@@ -27,12 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.preloaded import REPO, Preloaded, runs_preloaded
 from tests.support import read_records
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # the preloading server imports ``tests.scripts`` whatever the cwd
 TIMEOUT_S = 150
 
 # A launcher's rank variables leaking into the children would change what Lightning launches.
@@ -77,83 +73,9 @@ def ranks(cmd: list[str], port: int, devices: int, num_nodes: int = 1) -> list[t
     ]
 
 
-_PRELOADED = multiprocessing.get_context("forkserver")
-_PRELOADED.set_forkserver_preload(["tests.distributed_support", "tests.scripts.train_record"])
-
-
-def _run_script(script: str, argv: list[str], env: dict[str, str], log: str) -> None:
-    """In a process forked from the preloaded server: ``script`` as ``__main__`` with ``argv`` and ``env``,
-    its output into ``log``, in a session of its own (a kill reaches its DataLoader workers)."""
-    os.setsid()
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(REPO)
-    # A forkserver's child inherits ``forkserver`` as its start method: back to the platform's default, so
-    # its DataLoader workers start as they would in a fresh interpreter.
-    multiprocessing.set_start_method(None, force=True)
-    import torch
-
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))  # read at import elsewhere
-    sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
-
-
-def _run_module(module: str, argv: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    """In a process forked from the preloaded server: ``python -m module *argv`` in ``env``, from the
-    repository root, its output into the files ``stdout`` and ``stderr``, in a session of its own."""
-    os.setsid()
-    for fd, path in ((1, stdout), (2, stderr)):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, fd)
-        os.close(out)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(REPO)
-    sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-
-
-def run_module(module: str, argv: list[str], output: Path, timeout: float) -> tuple[int, str, str]:
-    """``python -m module *argv`` (this process's environment, from the repository root) in a process
-    forked from the preloaded server, so torch's and Lightning's imports are paid once per session: its
-    exit code, stdout and stderr (kept in ``output``). Killed with the processes it started after ``timeout`` s."""
-    output.mkdir(parents=True, exist_ok=True)
-    stdout, stderr = output / "stdout.log", output / "stderr.log"
-    process = _PRELOADED.Process(target=_run_module, args=(module, argv, dict(os.environ), str(stdout), str(stderr)))
-    process.start()
-    process.join(timeout)
-    if process.exitcode is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.join()
-        raise subprocess.TimeoutExpired(f"python -m {module}", timeout)
-    return process.exitcode, stdout.read_text(), stderr.read_text()
-
-
-class _Forked:
-    """A script run by ``_run_script``, with the ``Popen`` methods ``run_processes`` uses."""
-
-    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
-        self._process = _PRELOADED.Process(target=_run_script, args=(cmd[1], cmd[2:], env, str(log)))
-        self._process.start()
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(self._process.name, timeout)
-        return self._process.exitcode
-
-
-def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen | _Forked:
-    if cmd[0] == sys.executable and Path(cmd[1]).parent == SCRIPTS:
-        return _Forked(cmd, env, log)
+def _start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen | Preloaded:
+    if runs_preloaded(cmd):
+        return Preloaded(cmd, env, REPO, log, None)
     with open(log, "w") as out:
         return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

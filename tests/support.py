@@ -71,8 +71,10 @@ def fit_records(
 def fit_in_a_plain_script(datamodule: str, max_steps: int) -> tuple[str, list[list[str]]]:
     """Output of ``Trainer.fit`` on ``datamodule`` (an expression over ``datamodules``' names) in a fresh
     Python with no logging set up, and the data summary's table rows (header first) split in cells."""
-    import subprocess
     import sys
+    import tempfile
+
+    from tests import preloaded
 
     script = f"""
 from lightning.pytorch import Trainer
@@ -81,7 +83,7 @@ from tests.support import RecordingModel
 Trainer(max_steps={max_steps}, logger=False, enable_progress_bar=False, enable_checkpointing=False).fit(
     RecordingModel(), {datamodule})
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    done = preloaded.run([sys.executable, "-c", script], Path(tempfile.mkdtemp()))
     assert done.returncode == 0, done.stderr[-2000:]
     shown = done.stdout + done.stderr
     table = shown[shown.index("Source |") :].splitlines()

@@ -2,18 +2,19 @@
 
 Timings are not asserted here: the targets are read from the full-size runs in benchmarks/results.
 Each runs as ``python -m benchmarks.<name>`` in a process forked from the tests' preloaded server
-(``run_module``), so torch's and Lightning's imports are paid once, not once per benchmark.
+(``tests/preloaded.py``), so torch's and Lightning's imports are paid once, not once per benchmark.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed_support import run_module
+from tests import preloaded
 
 ROOT = Path(__file__).parent.parent
 PEERS = {"litdata": "litdata", "torchdata": "torchdata"}  # Mosaic runs in its own venv, made by the full-size run
@@ -24,11 +25,10 @@ SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem no
 def test_benchmark_runs_and_writes_its_results(tmp_path: Path, name: str) -> None:
     if name == "peers" and not any(importlib.util.find_spec(module) for module in PEERS.values()):
         pytest.skip("no peer loader installed (pip install -e '.[bench]'); .ci/run runs it with them")
-    returncode, stdout, stderr = run_module(
-        f"benchmarks.{name}", ["--quick", "--results-dir", str(tmp_path)], tmp_path / "output", timeout=300
-    )
-    assert returncode == 0, stderr[-3000:]
-    assert "PASS" in stdout or "FAIL" in stdout
+    command = [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--results-dir", str(tmp_path)]
+    done = preloaded.run(command, tmp_path / "output")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PASS" in done.stdout or "FAIL" in done.stdout
     assert json.loads((tmp_path / f"{name}.json").read_text())
     assert "|---" in (tmp_path / f"{name}.md").read_text()
     if name == "peers":

@@ -3,9 +3,7 @@ name, every option has its help, and progress shows when stdout is a file."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import datamodules
 from datamodules.cli import main
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.loader import SourceSpec
+from tests import preloaded
 from tests.support import make_token_shards
 
 REPO = Path(__file__).parent.parent
@@ -116,8 +115,7 @@ def test_a_fit_with_stdout_piped_prints_progress_lines(tmp_path: Path) -> None:
     args = [sys.executable, "-m", "datamodules.cli", "fit", f"--config={TOKEN_SHARDS}", "--trainer.max_steps=20"]
     args += ["--data.init_args.seq_len=16", "--trainer.log_every_n_steps=5", "--trainer.val_check_interval=10"]
     args += ["--trainer.limit_val_batches=1", "--trainer.enable_model_summary=false"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, env=env)
+    done = preloaded.run(args, tmp_path / "output", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     progress = [line.split(" | ")[:3] for line in lines if line.startswith("epoch")]

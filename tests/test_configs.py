@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from examples.default_conversations import build_default_conversations
 from examples.default_corpus import train_tokenizer
 from examples.default_images import build_default_images
 from examples.default_videos import build_default_videos
+from tests import preloaded
 from tests.support import make_token_shards
 
 REPO = Path(__file__).parent.parent
@@ -129,9 +129,7 @@ def test_the_cli_shows_what_the_data_is_at_the_start_of_fit(tmp_path: Path) -> N
     config = Path(__file__).parent.parent / "configs" / "token_shards.yaml"
     args = [sys.executable, "-m", "datamodules.cli", "fit", f"--config={config}", "--trainer.max_steps=2"]
     args += ["--data.init_args.seq_len=16", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0"]
-    done = subprocess.run(
-        args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
+    done = preloaded.run(args, tmp_path / "output", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     shown = done.stdout + done.stderr
     assert "TokenShardDataModule: 15 steps per epoch of 16 samples" in shown
@@ -146,9 +144,7 @@ def test_the_cli_shows_what_the_data_is_at_the_start_of_fit(tmp_path: Path) -> N
 def test_a_config_run_without_the_quickstart_data_says_so_in_one_line(tmp_path: Path) -> None:
     config = Path(__file__).parent.parent / "configs" / "token_shards.yaml"
     args = [sys.executable, "-m", "datamodules.cli", "fit", f"--config={config}"]
-    done = subprocess.run(
-        args, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)}
-    )
+    done = preloaded.run(args, tmp_path / "output", cwd=tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert "run `python -m examples.quickstart` first" in line
