@@ -52,21 +52,16 @@ SLOPE_GOAL_MB = 1.0  # per 1,000 batches, after warm-up
 
 
 def quick_inputs(workdir: Path) -> None:
-    """The quickstart's inputs at a small size (seconds to build): shards prepared from the pydoc topics."""
+    """What the smoke run's source (token shards) reads, at a small size (seconds to build): shards
+    prepared from the pydoc topics."""
     from datamodules.text.prepare import prepare
-    from examples.default_conversations import build_default_conversations
     from examples.default_corpus import train_tokenizer, write_pydoc_topics
-    from examples.default_images import build_default_images
-    from examples.default_videos import build_default_videos
 
     topics = write_pydoc_topics(workdir / "pydoc_topics")
     tokenizer = train_tokenizer(topics, workdir / "tokenizer", vocab_size=1000)
     for name in ("stdlib", "pydoc"):
         if not (workdir / f"shards_{name}").exists():
             prepare([str(t) for t in topics], workdir / f"shards_{name}", str(tokenizer))
-    build_default_images(workdir, count=40)
-    build_default_videos(workdir, count=24)
-    build_default_conversations(workdir, topics, tokenizer, count=40)
 
 
 def tree_memory(root: int) -> tuple[float, float, float, int]:
@@ -151,8 +146,8 @@ def main() -> None:
 
             build_inputs(workdir)
         rows, records = [], {}
-        # A smoke run soaks two sources: each is the same measurement in a fresh process.
-        for name in ["token shards", "image-text"] if args.quick else SOURCES:
+        # A smoke run soaks one source: every source is the same measurement, in a fresh process.
+        for name in ["token shards"] if args.quick else SOURCES:
             command = [sys.executable, "-m", "benchmarks.soak", "--one", name, "--workdir", str(workdir)]
             command += ["--scale", str(scale)]
             result = result_of(command, timeout=1800)

@@ -691,8 +691,8 @@ class PlanDataModule(LightningDataModule):
     def _streams_state(self) -> dict[str, Any]:
         """Each plan stream's readers and, per data-parallel rank, the stream batches it read and the
         samples it left, after the batches trained (collectives: only rank 0 writes the checkpoint)."""
-        read, left = self._slots.state_at(self._batches_trained()) if self._slots else self._slots_resumed
-        reads = self._broadcast is None or self._broadcast.leads
+        reads = self._broadcast is None or self._broadcast.leads  # a peer's loader never fills: it gives nothing
+        read, left = self._slots.state_at(self._batches_trained()) if self._slots and reads else self._slots_resumed
         states = {}
         for s, training in self._plan_streams.items():
             state = training.state_dict(self.dp_size, self.num_workers, read.get(s, 0), reads)

@@ -152,3 +152,27 @@ def test_a_2_rank_checkpoint_resumed_on_1_rank_trains_what_each_rank_left_then_t
     assert trained == expected[: len(trained)]
     before = stream_rows([r for rank in (0, 1) for r in ddp_run.records(rank) if r["step"] < 4])
     assert not set(before) & set(trained)  # no window trained on both sides of the resize
+
+
+def test_a_tensor_parallel_pair_reads_the_stream_once_and_resumes_exactly(data, tmp_path: Path) -> None:
+    """1 data-parallel x 2 tensor-parallel ranks, the first reading for both (``broadcast_within``): both
+    train one rank's batches; the checkpoint holds the reading rank's stream state, not its peer's."""
+    tokenizer, files, shards = data
+    args = ["--mixture", f"shards={shards}:{BASE['shards']}", "--tokenizer", tokenizer]
+    args += ["--mixture-stream", f"web:{BASE['web']}:{','.join(files)}", "--phases", json_phases()]
+    args += ["--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--workers", "2", "--devices", "2"]
+    args += ["--strategy", "ddp", "--mesh", "1x2", "--broadcast-within", "tensor_parallel", "--max-steps", "8"]
+    uninterrupted = train_record([*args, "--every-n-steps", "4"], tmp_path / "whole")
+    assert uninterrupted.records(0) == uninterrupted.records(1)
+    # Resumed twice: the second checkpoint is written after a resume, when the peer holds a restored state.
+    resumed = train_record(
+        [*args, "--resume", str(uninterrupted.checkpoint(4)), "--every-n-steps", "6"], tmp_path / "r1"
+    )
+    again = train_record([*args, "--resume", str(resumed.checkpoint(6))], tmp_path / "r2")
+    digests = [r["digest"] for r in uninterrupted.records(0)]
+    assert [r["digest"] for r in resumed.records(0)] == digests[4:]
+    assert [r["digest"] for r in again.records(0)] == digests[6:]
+    stream = make_dm(data).build_sources()[1][1]
+    trained = stream_rows(uninterrupted.records(0))
+    reads = [stream.read(worker, 2, None) for worker in (0, 1)]  # one data-parallel rank, 2 workers
+    assert trained == windows(stream, reads, math.ceil(len(trained) / BATCH))[: len(trained)]
