@@ -176,3 +176,18 @@ def test_a_tensor_parallel_pair_reads_the_stream_once_and_resumes_exactly(data, 
     trained = stream_rows(uninterrupted.records(0))
     reads = [stream.read(worker, 2, None) for worker in (0, 1)]  # one data-parallel rank, 2 workers
     assert trained == windows(stream, reads, math.ceil(len(trained) / BATCH))[: len(trained)]
+
+
+def test_a_stream_beside_a_source_of_other_samples_is_refused_at_setup(data, tmp_path: Path) -> None:
+    from datamodules import ImageTextSource
+    from tests.vision.image_data import image_folder
+
+    tokenizer, files, _ = data
+    pictures = ImageTextSource(
+        "imagefolder", tokenizer=tokenizer, num_image_tokens=2, image_size=8,
+        load_kwargs={"data_dir": str(image_folder(tmp_path / "pictures", 8))},
+    )  # fmt: skip
+    components = [MixtureComponent("pictures", 0.5, pictures), MixtureComponent("web", 0.5, web(tokenizer, files))]
+    dm = MixtureDataModule(components, seq_len=SEQ_LEN, batch_size=2, allow_mixed_tokenizers=True)
+    with pytest.raises(ValueError, match=r"the streamed source 'web' gives token windows, but source 'pictures' gives"):
+        dm.setup("fit")
