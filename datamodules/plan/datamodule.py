@@ -671,8 +671,8 @@ class PlanDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         if self._stream is not None:
-            reads = self._broadcast is None or self._broadcast.leads
-            return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, self._batches_trained(), reads)}
+            trained = self._batches_trained()
+            return {"stream": self._stream.state_dict(self.dp_size, self.num_workers, trained, self._reads)}
         state: dict[str, Any] = {"positions_consumed": self.positions_consumed}
         if self._trained is not None:
             state.update(self._out_of_order_state())
@@ -688,10 +688,15 @@ class PlanDataModule(LightningDataModule):
             state["phases"] = self.phases
         return state
 
+    @property
+    def _reads(self) -> bool:
+        """Whether this rank reads its batches (not a ``broadcast_within`` peer, which receives them)."""
+        return self._broadcast is None or self._broadcast.leads
+
     def _streams_state(self) -> dict[str, Any]:
         """Each plan stream's readers and, per data-parallel rank, the stream batches it read and the
         samples it left, after the batches trained (collectives: only rank 0 writes the checkpoint)."""
-        reads = self._broadcast is None or self._broadcast.leads  # a peer's loader never fills: it gives nothing
+        reads = self._reads  # a peer's loader never fills: it gives nothing
         read, left = self._slots.state_at(self._batches_trained()) if self._slots and reads else self._slots_resumed
         states = {}
         for s, training in self._plan_streams.items():
