@@ -156,7 +156,6 @@ class MixtureDataModule(PlanDataModule):
         self.base_weights = [float(c.weight) for c in components]
         self._check_weights(self.base_weights, "base weights")
         self.phase_weights: list[tuple[int, list[float]]] = [(0, self.base_weights)]
-        self._logged_step: int | None = None
         # Sources as plain values (no credentials, no objects): checkpoints load with weights_only.
         self.save_hyperparameters(ignore=["sources"])
         self.hparams["sources"] = {
@@ -254,25 +253,15 @@ class MixtureDataModule(PlanDataModule):
         self._saved_segments = list(plan.segments)
         return plan
 
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Logs, on the first micro-batch of a logged step, each source's weight and what it has given."""
-        trainer = self.trainer
-        step = getattr(trainer, "global_step", None)
-        if trainer is None or not trainer.training or not trainer.loggers or step == self._logged_step:
-            return batch
-        self._logged_step = step
-        if (step + 1) % max(1, trainer.log_every_n_steps) and step + 1 != trainer.max_steps:
-            return batch
-        metrics: dict[str, float] = {}
+    def step_metrics(self) -> dict[str, float]:
+        """Each source's weight and what it has given, besides what every plan logs."""
+        metrics = super().step_metrics()
+        step = self.trainer.global_step
         counts = self.realized_counts(self.positions_consumed + self.global_batch_size)
         for (name, drawn), weight in zip(counts.items(), self.weights_at(step), strict=True):
             metrics[f"mixture/{name}/weight"] = weight
             metrics.update({f"mixture/{name}/{key}": float(value) for key, value in drawn.items()})
-        # Lightning's own row for this step, as LearningRateMonitor logs it.
-        row = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=row)
-        return batch
+        return metrics
 
     def source_weights(self) -> list[float]:
         return list(self.probabilities_at(getattr(self.trainer, "global_step", 0)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 from pathlib import Path
@@ -185,3 +186,12 @@ class RecordingModel(LightningModule):
 def read_records(record_path: str | Path, rank: int) -> list[dict]:
     path = Path(f"{record_path}.rank{rank}")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def logged_rows(log_dir: str) -> dict[int, dict[str, str]]:
+    """The CSV logger's rows merged by step (callbacks and the DataModule log separately)."""
+    rows: dict[int, dict[str, str]] = {}
+    with open(Path(log_dir) / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
+    return rows

@@ -49,7 +49,8 @@ def template_text(chat_template: str | None) -> str | None:
     try:
         return Path(chat_template).expanduser().read_text()
     except OSError:  # missing, a folder, a name too long for a path
-        shown = chat_template if len(chat_template) <= 80 else f"{chat_template[:80]}..."
+        # A path is shown whole (its end names the file); a long text that is no template, cut.
+        shown = chat_template if len(chat_template) <= 300 and "\n" not in chat_template else f"{chat_template[:80]}..."
         raise ConversationError(
             f"{option('chat_template')} {shown!r} is no file, nor a Jinja template (no {{% or {{{{ in it)"
         ) from None

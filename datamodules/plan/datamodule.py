@@ -27,6 +27,7 @@ from datamodules.plan.docstrings import expand_argument_docs
 from datamodules.plan.loader import POSITION, PlanDataLoader, PlanDataset, Source, SourceSpec
 from datamodules.plan.model_parallel import BATCHES_AHEAD, BroadcastGroup, BroadcastLoader, broadcast_groups
 from datamodules.plan.parallelism import Job, data_parallel_rank_and_size
+from datamodules.plan.planned_uses import DEFAULT_HORIZON, PlannedUses
 from datamodules.plan.sample_plan import PlannedSource, SamplePlan, Segment, describe_changes
 from datamodules.plan.sampler import PlanSampler
 from datamodules.plan.sequence_split import SequenceSplit
@@ -139,6 +140,7 @@ class PlanDataModule(LightningDataModule):
         self.phases: list[dict[str, Any]] | None = None  # the PhaseScheduler's schedule, when one runs
         self._checkpoint_phases: list[dict[str, Any]] | None = None
         self._summarized = False  # the data summary is shown once per fit
+        self._logged_step: int | None = None  # the last step whose metrics were looked at
         self._vote = RankVote(type(self).__name__)  # several ranks stop together (stopping.py)
         self._loaders: weakref.WeakSet = weakref.WeakSet()  # closed at teardown
 
@@ -392,6 +394,16 @@ class PlanDataModule(LightningDataModule):
         self._continue_checkpoint_phases(step)
         self.plan = self.build_plan(self._anchor_positions, step)
         dataset = PlanDataset(train, self.plan, streams=frozenset(self._plan_streams))
+        if getattr(train, "plans_file_reads", False):  # its file cache evicts by the plan's next use
+            train.planned_uses = PlannedUses(
+                dataset.sample_indices,
+                train.file_keys,
+                self._anchor_positions,
+                self.batch_size,
+                self.dp_size,
+                self._node_ranks(),
+                self.file_cache_horizon,
+            )
         # Whole optimizer steps per epoch, so every global batch is one optimizer step.
         steps_per_epoch = max(1, len(train) // self.global_batch_size)
         self._sampler = PlanSampler(
@@ -503,6 +515,13 @@ class PlanDataModule(LightningDataModule):
         self._log_summary(steps)
         return self._stopping_together(loader, ahead=BATCHES_AHEAD)
 
+    def _node_ranks(self) -> range:
+        """The data-parallel ranks on this node, as Lightning places ranks: node by node, a node's
+        ranks consecutive (a cache planned for other ranks stays correct, only less effective)."""
+        per_node = -(-self.dp_size // max(1, self.job.nodes))
+        first = self.dp_rank // per_node * per_node
+        return range(first, min(first + per_node, self.dp_size))
+
     def _loader_options(self) -> dict[str, Any]:
         pin = self.pin_memory
         if pin is None:
@@ -511,6 +530,9 @@ class PlanDataModule(LightningDataModule):
             rank_zero_warn(f"{type(self).__name__}: pin_memory=True, but no CUDA device is available; not pinning")
             pin = False
         return {"pin_memory": pin, "prefetch_factor": self.prefetch_factor}
+
+    # How far a planned file cache looks ahead: this node's next positions (``PlannedUses``).
+    file_cache_horizon: int = DEFAULT_HORIZON
 
     # How worker processes start (``"fork"``, ``"spawn"``, ``"forkserver"``); ``None``: spawn where
     # ``spawn_reasons`` gives one, else the platform's default (fork on Linux).
@@ -567,6 +589,7 @@ class PlanDataModule(LightningDataModule):
             f"{self.dp_size} data-parallel ranks x {self.accumulate_grad_batches} accumulated)"
             + (f", resuming at batch {resumed:,}" if resumed else "")
             + f"\n{table(header, rows)}"
+            + "".join(f"\n{line}" for line in [getattr(self._train, "file_cache_summary", None)] if line)
         )
 
     def _plan_summary(self, max_steps: int | None) -> tuple[list[str], list[list[str]]]:
@@ -634,6 +657,37 @@ class PlanDataModule(LightningDataModule):
     def test_dataloader(self) -> DataLoader | list[DataLoader]:
         """The test split(s), evaluated as validation is: every sample once across ranks."""
         return self._held_loaders("test", self.test_options)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Logs ``step_metrics`` on the first micro-batch of each step the Trainer logs; then the model's
+        own ``on_before_batch_transfer`` (Lightning calls only the DataModule's when both define it)."""
+        self._log_step_metrics()
+        model = getattr(self.trainer, "lightning_module", None)
+        if model is not None and is_overridden("on_before_batch_transfer", model):
+            batch = model.on_before_batch_transfer(batch, dataloader_idx)
+        return batch
+
+    def _log_step_metrics(self) -> None:
+        trainer = self.trainer
+        step = getattr(trainer, "global_step", None)
+        if trainer is None or not trainer.training or not trainer.loggers or step == self._logged_step:
+            return
+        self._logged_step = step
+        if (step + 1) % max(1, trainer.log_every_n_steps) and step + 1 != trainer.max_steps:
+            return
+        metrics = self.step_metrics()
+        if metrics:
+            # Lightning's own row for this step, as LearningRateMonitor logs it.
+            row = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=row)
+
+    def step_metrics(self) -> dict[str, float]:
+        """What the data did so far, logged every ``log_every_n_steps``: the file cache's counts in
+        this rank's loaders (``file_cache/hits``, ``misses``, ``hit_rate``, ``bytes_fetched`` against
+        ``bytes_read``, ``evictions``, ``not_kept``), where the source reads files through one."""
+        stats = getattr(self._train, "file_cache", None)
+        return stats.metrics() if stats is not None and stats.hits + stats.misses else {}
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """What a source leaves for the accelerator, on the batch once it is there (image sources

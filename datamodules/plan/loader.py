@@ -50,7 +50,8 @@ class Source(Protocol):
     # a pure function of (seed, plan position), from which it draws any random choice (augmentation),
     # so a sample looks the same on every run, with any worker count, and after resume. One with
     # ``uses_passes = True`` also gets ``passes=...``: how many passes over it came before each sample
-    # (packed rows are packed afresh every pass). A source may define ``mask_rows(batch, invalid)``
+    # (packed rows are packed afresh every pass); one with ``uses_positions = True`` gets each sample's
+    # plan position (``positions=...``). A source may define ``mask_rows(batch, invalid)``
     # to take the loss off padding rows; the default sets their ``labels`` to ``IGNORE_INDEX``. One
     # with ``fetch_many(calls)`` reads the spans of a whole worker message at once (a list of
     # ``(indices, extra)``, a raw batch for each), so their slow fetches overlap. One that knows which
@@ -100,6 +101,14 @@ class PlanDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def sample_indices(self, positions: np.ndarray) -> np.ndarray:
+        """The sample (in the joined source) at each of ``positions``; -1 for a stream's rows."""
+        sources, indices, _ = self.plan.locate_in_passes(positions)
+        indices += self._offsets[sources]
+        if self.streams:
+            indices[np.isin(sources, list(self.streams))] = -1
+        return indices
 
     def _indices(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sample indices (in the joined source), passes and plan sources of positions ``[first, stop)``."""
@@ -156,6 +165,8 @@ class PlanDataset(Dataset):
             extra["keys"] = mix64(positions.astype(np.uint64) ^ mix64(np.array([self.plan.seed], dtype=np.uint64)))
         if getattr(self.source, "uses_passes", False):
             extra["passes"] = passes
+        if getattr(self.source, "uses_positions", False):
+            extra["positions"] = positions
         return indices, extra, marks
 
 

@@ -158,7 +158,7 @@ class HiddenStatesDataModule(PlanDataModule):
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
         self.hidden_states_dir = str(hidden_states_dir or f"{self.data_dir.rstrip('/')}/hidden_states")
         self.storage_options = storage_options
-        self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes)
+        self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes, "lru")
         self.train_ratio = require_ratio(train_ratio)
         if isinstance(test_ratio, bool) or not isinstance(test_ratio, int | float) or not 0 <= test_ratio < 1:
             raise ValueError(f"test_ratio must be a number in [0, 1), got {test_ratio!r}")

@@ -1,38 +1,49 @@
 """Whole files (images, video clips, hidden-state files) named by local path or by URL, read through
-the storage layer, with an optional node-local cache under a byte budget.
+the storage layer, with an optional node-local cache under a byte budget (``FileCache``).
 
 A URL is read with the same retries as token-shard ranges (``storage.RangeReader``). With
-``cache_dir``, a remote file is kept there after its first read: written to a temporary name and
-renamed, so a file appears complete or not at all, and the least recently used files are deleted
-when the budget would be passed. The processes of a node may share one ``cache_dir``: room is made
-under a file lock, and a file deleted while another process reads it stays readable to that reader.
+``cache_dir``, a remote file is kept there after its first read, named by its URL and its version
+(ETag, generation or modification time: one HEAD a read), so a changed object is fetched again. The
+processes of a node share one ``cache_dir``. Which files leave when the budget is reached:
+
+- ``cache_policy="planned"`` (default): a source that knows its order (image-text rows naming files
+  by URL) gives the cache ``PlannedUses``, the position at which the node next reads each file, and
+  ``reading_at`` the position being read: the file needed furthest ahead leaves first, and a file
+  needed later than everything that would leave for it is not kept (Belady's rule). Reads outside
+  the plan (validation) are kept only while there is room.
+- ``cache_policy="lru"``: the least recently used file leaves first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
-import logging
 import os
+import threading
 import time
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 from urllib.parse import urlparse
 
-from datamodules.storage.locations import describe_error, is_url, storage_path
+from datamodules.storage.file_cache import NEVER, FileCache
+from datamodules.storage.locations import describe_error, is_url, object_version, storage_path
 from datamodules.storage.range_reader import RangeReader, read_range
 
-log = logging.getLogger(__name__)
+POLICIES = ("planned", "lru")
 
-_PARTIAL = ".partial-"  # a download still being written (or left by a killed process)
-_LOCK, _TOTAL = ".lock", ".total"  # the lock file, and the bytes the cache holds (kept under the lock)
-_STALE_PARTIAL_S = 3600.0
+
+class NextUses(Protocol):
+    """When the node next reads a file after a plan position (``NEVER``: not within what is known)."""
+
+    def next_use(self, key: int, position: int) -> float: ...
+
+
+def url_key(url: str) -> int:
+    """The 64-bit key a file's URL has in a plan's uses (``PlannedUses``) and in the cache's names."""
+    return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
 
 
 @dataclass
@@ -41,15 +52,21 @@ class RemoteFiles:
 
     Args:
         storage_options: the fsspec filesystem's options for URLs (endpoint, credentials, ``anon``).
-        cache_dir: a node-local folder that keeps remote files after their first read; ``None``:
-            remote files are read into memory each time.
-        cache_bytes: the most bytes ``cache_dir`` holds; least recently used files go first.
+        cache_dir: a node-local folder that keeps remote files after their first read, shared by the
+            node's processes; ``None``: remote files are read into memory each time.
+        cache_bytes: the most bytes ``cache_dir`` holds.
+        cache_policy: which files leave when ``cache_bytes`` is reached: ``"planned"``, the file the
+            plan needs furthest ahead (a file needed later than all of those is not kept), or
+            ``"lru"``, the least recently used.
     """
 
     storage_options: dict[str, Any] | None = None
     cache_dir: str | None = None
     cache_bytes: int | None = None
+    cache_policy: str = "planned"
     _readers: dict[str, RangeReader] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _cache: FileCache | None = field(default=None, init=False, repr=False, compare=False)
+    _clock: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cache_dir is not None and (
@@ -58,32 +75,71 @@ class RemoteFiles:
             raise ValueError(f"a file cache needs cache_bytes, a positive number of bytes; got {self.cache_bytes!r}")
         if self.cache_dir is not None and is_url(self.cache_dir):
             raise ValueError(f"cache_dir must be a local folder, got {self.cache_dir!r}")
+        if self.cache_policy not in POLICIES:
+            raise ValueError(f"cache_policy must be one of {POLICIES}, got {self.cache_policy!r}")
+        if self.cache_dir is not None:
+            self._cache = FileCache(self.cache_dir, self.cache_bytes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_clock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _clock=threading.local())
+
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether reads go through a cache that evicts by the plan's next use."""
+        return self._cache is not None and self.cache_policy == "planned"
+
+    def summary(self) -> str | None:
+        """One line on the cache (for the data summary); ``None`` without one."""
+        if self._cache is None:
+            return None
+        rule = "the file the plan reads furthest ahead" if self.plans_ahead else "the least recently used file"
+        return f"file cache {self.cache_dir}: {self.cache_bytes:,} bytes shared by the node; full, {rule} leaves"
+
+    @property
+    def stats(self) -> Any:
+        """The cache's counts in this process (``CacheStats``); ``None`` without a cache."""
+        return None if self._cache is None else self._cache.stats
+
+    @contextlib.contextmanager
+    def reading_at(self, uses: NextUses | None, position: int) -> Iterator[None]:
+        """Reads in this block (this thread's) are for the sample at ``position`` of the plan whose
+        next uses of the files are ``uses`` (``None``: reads outside a known order)."""
+        self._clock.at = (uses, position)
+        try:
+            yield
+        finally:
+            self._clock.at = None
 
     def read_bytes(self, location: str | os.PathLike) -> bytes:
         """The whole file at ``location``."""
-        with self.open(location) as f:
-            return f.read()
+        if not is_url(location):
+            return storage_path(location).read_bytes()
+        url = str(location)
+        if self._cache is None:
+            return self._fetch(url, self._info(url)["size"])
+        info = self._info(url)
+        size, tag = object_version(info)
+        key = url_key(url)
+        version = hashlib.blake2b(f"{size}:{tag}".encode(), digest_size=8).hexdigest()
+        name = f"{key:016x}-{version}{Path(urlparse(url).path).suffix}"
+        rank, planned = self._rank(key)
+        return self._cache.read(name, lambda: self._fetch(url, size), rank, planned)
+
+    def _rank(self, key: int) -> tuple[float, bool]:
+        """The file's place in the eviction order after this read, and whether it is a planned one."""
+        if self.cache_policy == "lru":
+            return -time.time(), False
+        uses, position = getattr(self._clock, "at", None) or (None, 0)
+        return (NEVER if uses is None else uses.next_use(key, position)), True
 
     def open(self, location: str | os.PathLike) -> BinaryIO:
-        """The file at ``location`` opened for reading: the local file, the cached copy of a remote
-        one (fetched into the cache first), or, without a cache, its bytes in memory."""
+        """The file at ``location`` opened for reading: the local file, or a remote one's bytes."""
         if not is_url(location):
             return storage_path(location).open("rb")
-        url = str(location)
-        if self.cache_dir is None:
-            return io.BytesIO(self._fetch(url))
-        path = Path(self.cache_dir) / (hashlib.sha256(url.encode()).hexdigest()[:32] + Path(urlparse(url).path).suffix)
-        try:
-            f = path.open("rb")
-        except FileNotFoundError:
-            pass
-        else:
-            with contextlib.suppress(FileNotFoundError):  # evicted since: the open file still reads
-                os.utime(path)  # recently used: evicted last
-            return f
-        data = self._fetch(url)
-        self._keep(path, data)
-        return io.BytesIO(data)
+        return io.BytesIO(self.read_bytes(location))
 
     def read_range(self, location: str | os.PathLike, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the file at ``location`` (one ranged request for a URL, retried)."""
@@ -117,11 +173,22 @@ class RemoteFiles:
             reader = self._readers[protocol] = RangeReader(f"{protocol}://", self.storage_options)
         return reader
 
-    def _fetch(self, url: str) -> bytes:
-        reader = self._reader(url)
+    def _info(self, url: str) -> dict[str, Any]:
+        """The object's size and version, asked of the store (one HEAD, never a listing's old copy)."""
+
+        def head(fs: Any) -> dict[str, Any]:
+            fs.invalidate_cache(url)
+            return fs.info(url)
+
+        return self._named(url, lambda: self._reader(url).request(f"reading the size of {url}", head))
+
+    def _fetch(self, url: str, size: int) -> bytes:
+        return self._named(url, lambda: self._reader(url).read([url], [0], [size])[0] if size else b"")
+
+    @staticmethod
+    def _named(url: str, call: Any) -> Any:
         try:
-            size = reader.request(f"reading the size of {url}", lambda fs: fs.size(url))
-            return reader.read([url], [0], [size])[0] if size else b""
+            return call()
         except FileNotFoundError:
             raise FileNotFoundError(f"{url} does not exist") from None
         except OSError:
@@ -129,66 +196,5 @@ class RemoteFiles:
         except Exception as err:  # the store's own (no credentials, ...): one line naming the object
             raise OSError(f"cannot read {url}: {describe_error(err)}") from None
 
-    def _keep(self, path: Path, data: bytes) -> None:
-        """Put ``data`` in the cache as ``path``, making room first; a file over the budget is not kept."""
-        assert self.cache_bytes is not None
-        if len(data) > self.cache_bytes:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.parent / f"{_PARTIAL}{uuid.uuid4().hex}"
-        partial.write_bytes(data)
-        with _locked(path.parent):
-            total = _read_total(path.parent)
-            if path.exists():  # another process kept it meanwhile
-                partial.unlink()
-                return
-            if total + len(data) > self.cache_bytes:  # down to 90%, so the next files need no scan
-                total = _evict(path.parent, min(self.cache_bytes - len(data), self.cache_bytes * 9 // 10))
-            os.replace(partial, path)  # complete or absent, never torn
-            (path.parent / _TOTAL).write_text(str(total + len(data)))
-
 
 LOCAL_FILES = RemoteFiles()  # local paths, and URLs a filesystem reads without options, uncached
-
-
-@contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    with open(directory / _LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _read_total(directory: Path) -> int:
-    try:
-        return int((directory / _TOTAL).read_text())
-    except (FileNotFoundError, ValueError):
-        return _evict(directory, None)  # not recorded yet: counted
-
-
-def _evict(directory: Path, keep_at_most: int | None) -> int:
-    """Delete the least recently used files until at most ``keep_at_most`` bytes stay (``None``: only
-    count); partial files older than an hour (left by killed processes) go too. The bytes kept."""
-    files, now = [], time.time()
-    for entry in os.scandir(directory):
-        if entry.name in (_LOCK, _TOTAL) or not entry.is_file():
-            continue
-        stat = entry.stat()
-        if entry.name.startswith(_PARTIAL):
-            if now - stat.st_mtime > _STALE_PARTIAL_S:
-                os.unlink(entry.path)
-            continue
-        files.append((stat.st_mtime, stat.st_size, entry.path))
-    total = sum(size for _, size, _ in files)
-    if keep_at_most is not None:
-        evicted = 0
-        for _, size, name in sorted(files):
-            if total <= keep_at_most:
-                break
-            os.unlink(name)
-            total -= size
-            evicted += 1
-        log.debug("file cache %s: evicted %d files, %d bytes kept", directory, evicted, total)
-    return total

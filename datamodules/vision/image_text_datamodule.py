@@ -27,8 +27,8 @@ class ImageTextDataModule(PlanDataModule):
         path, tokenizer, processor, name, split, data_files, image_field, text_field, prompt_field,
             prompt, image_size, resize_mode, mean, std, transform, num_image_tokens, image_token,
             add_bos, val_split, val_fraction, on_bad_sample, load_kwargs, storage_options, file_cache_dir,
-            file_cache_bytes, test_split, test_fraction: see ``ImageTextSource``; ``storage_options`` are
-            kept out of checkpoints.
+            file_cache_bytes, file_cache_policy, test_split, test_fraction: see ``ImageTextSource``;
+            ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding).
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
@@ -70,6 +70,7 @@ class ImageTextDataModule(PlanDataModule):
         storage_options: dict[str, Any] | None = None,
         file_cache_dir: str | None = None,
         file_cache_bytes: int | None = None,
+        file_cache_policy: str = "planned",
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -115,6 +116,7 @@ class ImageTextDataModule(PlanDataModule):
             storage_options=storage_options,
             file_cache_dir=file_cache_dir,
             file_cache_bytes=file_cache_bytes,
+            file_cache_policy=file_cache_policy,
             test_split=test_split,
             test_fraction=test_fraction,
         )

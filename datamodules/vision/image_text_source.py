@@ -79,8 +79,13 @@ class ImageTextSource(SourceSpec):
         load_kwargs: further ``load_dataset`` arguments, e.g. ``{"data_dir": "images/"}``.
         storage_options: for a ``path``, ``data_files`` or image paths that are URLs (``s3://``,
             ``gs://``, ...), the fsspec filesystem's options (endpoint, credentials, ``anon``).
-        file_cache_dir, file_cache_bytes: a node-local folder keeping images read by URL, and the most
-            bytes it holds (least recently used evicted first); default: no cache.
+        file_cache_dir, file_cache_bytes: a node-local folder keeping images read by URL (each by
+            its URL and version: a changed object is fetched again), shared by the node's ranks and
+            workers, and the most bytes it holds; default: no cache.
+        file_cache_policy: which images leave the cache when it is full: ``"planned"`` (default),
+            the one the node's ranks read furthest ahead in the plan (an image read later than all of
+            those is not kept: Belady's rule, the fewest fetches for a known order); ``"lru"``, the
+            least recently used.
     """
 
     path: str
@@ -108,12 +113,15 @@ class ImageTextSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     file_cache_dir: str | None = None
     file_cache_bytes: int | None = None
+    file_cache_policy: str = "planned"
     test_split: str | None = None
     test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         self.path = str(self.path)
-        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
+        self.files = RemoteFiles(
+            self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy
+        )
         check_policy(self.on_bad_sample)
         if self.path == WEBDATASET:
             for split in (self.split, self.val_split, self.test_split):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from datamodules.plan.bad_samples import BadSampleLog
+from datamodules.storage.file_cache import CacheStats
 
 
 class JoinedSamples:
@@ -17,6 +19,7 @@ class JoinedSamples:
 
     batches_per_message = 1
     uses_sample_keys = True
+    uses_positions = True
 
     def __init__(self, parts: list[Any]) -> None:
         keys = {p.shape_key for p in parts}
@@ -29,27 +32,67 @@ class JoinedSamples:
         self._ends = np.cumsum([len(p) for p in parts])
         self.fingerprint = "+".join(p.fingerprint for p in parts)
         self.bad_samples = BadSampleLog()
+        self.file_cache = CacheStats()
 
     def __len__(self) -> int:
         return int(self._ends[-1])
 
-    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
+    def _by_part(self, indices: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """``(part, where in indices, indices within the part)`` for each part the indices fall in."""
         indices = np.asarray(indices, dtype=np.int64)
         which = np.searchsorted(self._ends, indices, side="right")
         starts = np.concatenate([[0], self._ends[:-1]])
-        order, pieces = [], []
         for part in np.unique(which).tolist():
             at = np.flatnonzero(which == part)
-            raw = self.parts[part].fetch(indices[at] - starts[part], keys[at])
+            yield part, at, indices[at] - starts[part]
+
+    @property
+    def plans_file_reads(self) -> bool:
+        return any(getattr(part, "plans_file_reads", False) for part in self.parts)
+
+    @property
+    def planned_uses(self) -> Any:
+        return self.parts[0].planned_uses
+
+    @planned_uses.setter
+    def planned_uses(self, uses: Any) -> None:  # the joined order's: the parts read in it
+        for part in self.parts:
+            if getattr(part, "plans_file_reads", False):
+                part.planned_uses = uses
+
+    @property
+    def file_cache_summary(self) -> str | None:
+        lines = {getattr(part, "file_cache_summary", None) for part in self.parts} - {None}
+        return "\n".join(sorted(lines)) or None
+
+    def file_keys(self, indices: np.ndarray) -> np.ndarray:
+        keys = np.zeros(len(indices), dtype=np.uint64)
+        for part, at, within in self._by_part(indices):
+            if getattr(self.parts[part], "plans_file_reads", False):
+                keys[at] = self.parts[part].file_keys(within)
+        return keys
+
+    def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
+        order, pieces = [], []
+        for part, at, within in self._by_part(indices):
+            takes_positions = positions is not None and getattr(self.parts[part], "uses_positions", False)
+            extra = {"positions": positions[at]} if takes_positions else {}
+            raw = self.parts[part].fetch(within, keys[at], **extra)
             if "error" in raw:
                 return raw
             order.append(at)
             pieces.append(raw)
+        counts = [p.pop("file_cache") for p in pieces if "file_cache" in p]
         inverse = np.argsort(np.concatenate(order), kind="stable")
         joined = {key: np.concatenate([p[key] for p in pieces])[inverse] for key in pieces[0] if key != "skipped"}
+        if counts:
+            joined["file_cache"] = np.sum(counts, axis=0)
         return {**joined, "skipped": [entry for p in pieces for entry in p["skipped"]]}
 
     def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        raw = dict(raw)
+        if "file_cache" in raw:
+            self.file_cache.add(raw.pop("file_cache"))
         batch = self.parts[0].to_batch({**raw, "skipped": []})
         self.bad_samples.record(raw["skipped"])
         return batch

@@ -90,7 +90,7 @@ class VideoSource(SourceSpec):
 
     def __post_init__(self) -> None:
         self.data_root = str(self.data_root)
-        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes)
+        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes, "lru")
         check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
         require_existing("data_root", self.data_root)
         require_existing("tokenizer", self.tokenizer, only_if_local=True)

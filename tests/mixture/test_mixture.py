@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import math
@@ -21,7 +20,7 @@ from datamodules.plan.sample_plan import MIXING_RULE, Segment
 from datamodules.text.prepare import prepare
 from datamodules.text.shard_metadata import METADATA_FILE, ShardMetadata
 from examples.default_corpus import train_tokenizer
-from tests.support import RecordingModel, make_mixture_shards, quiet_trainer
+from tests.support import RecordingModel, logged_rows, make_mixture_shards, quiet_trainer
 
 SEQ_LEN, BATCH = 4, 10
 NAMES = ("a", "b", "c")
@@ -229,15 +228,6 @@ def test_a_phase_naming_an_unknown_source_fails_at_setup(shard_dirs: dict[str, P
 def test_a_phase_zeroing_every_source_fails_at_setup(shard_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="phase at step 2: weights .* are all zero"):
         fit(shard_dirs, 3, phases=[{"start_step": 2, "dataset_weights": {"a": 0.0, "b": 0.0, "c": 0.0}}])
-
-
-def logged_rows(log_dir: str) -> dict[int, dict[str, str]]:
-    """The CSV logger's rows merged by step (callbacks and the DataModule log separately)."""
-    rows: dict[int, dict[str, str]] = {}
-    with open(Path(log_dir) / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
-    return rows
 
 
 @pytest.mark.parametrize("with_scheduler", [True, False], ids=["phase-scheduler", "no-callback"])

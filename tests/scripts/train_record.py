@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--hf-json", help="a JSON-lines file (HFTextDataModule over load_dataset('json'))")
     data.add_argument("--hf-files", help="BUILDER:file,file,... (HFTextDataModule over load_dataset(BUILDER))")
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
+    data.add_argument("--image-urls", help="a saved dataset whose rows name images by URL (ImageTextDataModule)")
+    parser.add_argument("--file-cache-bytes", type=int, help="with --image-urls: a file cache in --cache-dir")
     data.add_argument("--webdataset", help="tar shards, a brace pattern (ImageTextDataModule, path='webdataset')")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
     data.add_argument("--conversations", help="a ShareGPT JSON-lines file (ConversationDataModule; --tokenizer)")
@@ -251,6 +253,18 @@ def main(argv: list[str] | None = None) -> None:
             image_size=8,
             load_kwargs={"data_dir": args.image_folder},
             val_fraction=args.val_fraction,
+            **loading,
+        )
+    elif args.image_urls:
+        datamodule = ImageTextDataModule(
+            args.image_urls,
+            tokenizer=args.tokenizer,
+            max_text_len=loading.pop("seq_len"),
+            num_image_tokens=2,
+            image_size=8,
+            storage_options=args.storage_options,
+            file_cache_dir=args.cache_dir,
+            file_cache_bytes=args.file_cache_bytes,
             **loading,
         )
     elif args.webdataset:
