@@ -19,6 +19,11 @@ For each delay and ``num_workers`` 0 and 2:
 First batch: a fresh DataModule and one resumed at step 10^5 (``load_state_dict`` after setup), both
 timed from construction, setup included, with the bytes fetched by then; litdata's resume from its
 own ``state_dict``. Contenders alternate, in a rotated order, over ``--rounds`` rounds; medians.
+
+The file cache (``--parts file-cache``, ``benchmarks/object_store/file_cache.py``): 256 JPEGs named by
+URL in an image-text dataset, read for 4 epochs through the 50 ms proxy with no cache, LRU and ours
+(eviction by the plan's next use) at budgets of half and a quarter of the data; bytes fetched against
+Belady's rule run offline on the plan's order, and images/s. ``--parts shards`` runs only the above.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from benchmarks.common import (
     result_of,
     results_directory,
 )
+from benchmarks.object_store import file_cache
 from benchmarks.object_store.floor import ByteRange, ShardLayout, floor_seconds, window_ranges
 from benchmarks.object_store.serve import StoreProcess
 from benchmarks.object_store.server import create_bucket, storage_options
@@ -403,68 +409,101 @@ def main() -> None:
     parser.add_argument("--resume-step", type=int, default=10**5)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--delays-ms", type=int, nargs="+", default=[0, 50], help="added per request by a proxy")
+    parser.add_argument("--parts", nargs="+", choices=["shards", "file-cache"], default=["shards", "file-cache"])
+    parser.add_argument("--cache-images", type=int, default=256, help="file cache: JPEGs in the bucket")
+    parser.add_argument("--cache-image-side", type=int, default=160, help="file cache: JPEG side (~23 KB)")
+    parser.add_argument("--cache-epochs", type=int, default=4)
+    parser.add_argument("--cache-factors", type=int, nargs="+", default=[2, 4], help="data / cache budget")
+    parser.add_argument("--cache-delay-ms", type=int, default=50)
+    parser.add_argument("--cache-workers", type=int, default=2)
     add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:  # one delay: the other proxy is the same code, slower
         args.num_tokens, args.num_shards, args.warmup, args.batches, args.rounds = 8 * 2**20, 2, 16, 32, 1
         args.delays_ms = [0]
+        args.cache_images, args.cache_epochs, args.cache_factors, args.cache_delay_ms = 32, 2, [2], 0
     if args.warmup % GROUP or args.batches % GROUP:
         parser.error(f"--warmup and --batches must be multiples of {GROUP} (one round of range requests)")
     started = time.perf_counter()
+    tables: dict[str, tuple[list[str], list[dict[str, Any]]]] = {}
+    checks: dict[str, bool] = {}
+    config: dict[str, Any] = {}
+    delays = sorted(set(args.delays_ms if "shards" in args.parts else []) | {args.cache_delay_ms})
+    with data_directory(args.data_dir) as directory, StoreProcess(delays) as store:
+        if "shards" in args.parts:
+            shard_tables, shard_checks, shard_config = measure_shards(args, directory, store, started)
+            tables.update(shard_tables)
+            checks.update(shard_checks)
+            config.update(shard_config)
+        if "file-cache" in args.parts:
+            rows, cache_checks = file_cache.measure(
+                store, directory / "file_cache", args.cache_images, args.cache_image_side, args.cache_epochs,
+                args.cache_factors, args.cache_delay_ms, args.cache_workers,
+            )  # fmt: skip
+            title = (
+                f"File cache: {args.cache_images} JPEGs by URL (~{args.cache_image_side}^2 px), "
+                f"{args.cache_delay_ms} ms a request, num_workers={args.cache_workers}, ImageTextDataModule "
+                "batch 8; bytes fetched over the first epochs, against Belady's offline optimum for the plan's order"
+            )
+            tables[title] = (file_cache.COLUMNS, rows)
+            checks.update(cache_checks)
+            config.update({"cache images": args.cache_images, "cache delay ms": args.cache_delay_ms})
+    config.update({"quick": args.quick, "wall s": round(time.perf_counter() - started)})
+    name = "object_storage" if len(args.parts) == 2 else f"object_storage_{args.parts[0].replace('-', '_')}"
+    report(name, tables, config=config, checks=checks, results_dir=results_directory(args.results_dir, args.quick))
+
+
+def measure_shards(
+    args: argparse.Namespace, directory: Path, store: StoreProcess, started: float
+) -> tuple[dict[str, tuple[list[str], list[dict[str, Any]]]], dict[str, bool], dict[str, Any]]:
+    """The token-shard tables (ours, the floor, litdata), their checks and their settings."""
     litdata = importlib.util.find_spec("litdata") is not None
     if not litdata:
         print("litdata is not installed: left out (pip install -e '.[bench]')", flush=True)
-    with data_directory(args.data_dir) as directory, StoreProcess(args.delays_ms) as store:
-        shards = cached_token_shards(directory / "npy", args.num_tokens, args.num_shards)
-        create_bucket(store.endpoint, BUCKET)
-        upload(store.endpoint, directory / "npy", "corpus")
-        converted = litdata_copy(directory, shards, args.seq_len, args.num_tokens) if litdata else {}
-        if litdata and "error" not in converted:
-            upload(store.endpoint, directory / "litdata", "litdata")
-        litdata = litdata and "error" not in converted
-        layout = ShardLayout.of(shards, "corpus/")
-        bench = Bench(
-            store,
-            args.seq_len,
-            args.batch_size,
-            args.warmup,
-            args.batches,
-            args.io_threads,
-            args.num_tokens * 2,
-            layout,
-            timed_ranges(args, store, layout),
-        )
-        print(f"corpus ready in {time.perf_counter() - started:.0f} s; measuring", flush=True)
-        runs, starts = measure(bench, args, litdata)
+    shards = cached_token_shards(directory / "npy", args.num_tokens, args.num_shards)
+    create_bucket(store.endpoint, BUCKET)
+    upload(store.endpoint, directory / "npy", "corpus")
+    converted = litdata_copy(directory, shards, args.seq_len, args.num_tokens) if litdata else {}
+    if litdata and "error" not in converted:
+        upload(store.endpoint, directory / "litdata", "litdata")
+    litdata = litdata and "error" not in converted
+    layout = ShardLayout.of(shards, "corpus/")
+    bench = Bench(
+        store,
+        args.seq_len,
+        args.batch_size,
+        args.warmup,
+        args.batches,
+        args.io_threads,
+        args.num_tokens * 2,
+        layout,
+        timed_ranges(args, store, layout),
+    )
+    print(f"corpus ready in {time.perf_counter() - started:.0f} s; measuring", flush=True)
+    runs, starts = measure(bench, args, litdata)
     missing = None if litdata else converted.get("error", "litdata is not installed")
     throughput, first = throughput_rows(bench, runs, missing), first_batch_rows(bench, starts, runs)
-    report(
-        "object_storage",
-        {
-            f"Tokens/s and bytes fetched (batch {args.batch_size} x {args.seq_len}; {args.warmup} batches, then "
-            f"{args.batches} timed; medians of {args.rounds} rounds)": (THROUGHPUT_COLUMNS, throughput),
-            f"First batch, timed from construction, setup included (medians of {args.rounds} rounds)": (
-                FIRST_COLUMNS,
-                first,
-            ),
-        },
-        config={
-            "num_tokens": args.num_tokens,
-            "shards": args.num_shards,
-            "corpus GiB": round(args.num_tokens * 2 / 2**30, 3),
-            "batch": f"{args.batch_size}x{args.seq_len}",
-            "delays ms": args.delays_ms,
-            "floor io_threads": args.io_threads,
-            "ours": f"prefetch_steps={GROUP}, io_threads={args.io_threads}",
-            "litdata chunk tokens": converted.get("chunk tokens"),
-            "litdata optimize s": round(converted["convert s"]) if "convert s" in converted else None,
-            "rounds": args.rounds,
-            "quick": args.quick,
-            "wall s": round(time.perf_counter() - started),
-        },
-        checks=goals(throughput, first),
-        results_dir=results_directory(args.results_dir, args.quick),
-    )
+    tables = {
+        f"Tokens/s and bytes fetched (batch {args.batch_size} x {args.seq_len}; {args.warmup} batches, then "
+        f"{args.batches} timed; medians of {args.rounds} rounds)": (THROUGHPUT_COLUMNS, throughput),
+        f"First batch, timed from construction, setup included (medians of {args.rounds} rounds)": (
+            FIRST_COLUMNS,
+            first,
+        ),
+    }
+    config = {
+        "num_tokens": args.num_tokens,
+        "shards": args.num_shards,
+        "corpus GiB": round(args.num_tokens * 2 / 2**30, 3),
+        "batch": f"{args.batch_size}x{args.seq_len}",
+        "delays ms": args.delays_ms,
+        "floor io_threads": args.io_threads,
+        "ours": f"prefetch_steps={GROUP}, io_threads={args.io_threads}",
+        "litdata chunk tokens": converted.get("chunk tokens"),
+        "litdata optimize s": round(converted["convert s"]) if "convert s" in converted else None,
+        "rounds": args.rounds,
+    }
+    return tables, goals(throughput, first), config
 
 
 if __name__ == "__main__":

@@ -402,7 +402,7 @@ class PlanDataModule(LightningDataModule):
                 self.batch_size,
                 self.dp_size,
                 self._node_ranks(),
-                self.file_cache_horizon,
+                min(self.file_cache_horizon, 2 * len(train)),  # two passes of every sample look far enough
             )
         # Whole optimizer steps per epoch, so every global batch is one optimizer step.
         steps_per_epoch = max(1, len(train) // self.global_batch_size)

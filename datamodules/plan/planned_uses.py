@@ -84,7 +84,8 @@ class PlannedUses:
 
     def _look_ahead(self, position: int) -> None:
         positions = self.node_positions(position, self.horizon)
-        keys = self.file_keys(self.sample_indices(positions)).astype(np.uint64)
+        samples, where = np.unique(self.sample_indices(positions), return_inverse=True)
+        keys = self.file_keys(samples).astype(np.uint64)[where]  # a sample's file, asked once
         reads = keys != 0
         keys, positions = keys[reads], positions[reads]
         order = np.lexsort((positions, keys))

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -15,12 +15,11 @@ import torch
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.held_out import RowSplit
 from datamodules.plan.randomness import seeded
-from datamodules.storage.file_cache import CacheStats
-from datamodules.storage.locations import is_url
-from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, url_key
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.bad_samples import sample_or_replacement
 from datamodules.vision.images import ImagePixels, read_image
 from datamodules.vision.joined_samples import JoinedSamples
+from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.vlm_processor import ProcessorInputs
 from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
@@ -37,7 +36,7 @@ class ImageTextFields:
     fixed_prompt: str = ""
 
 
-class ImageTextSamples:
+class ImageTextSamples(PlannedFiles):
     """Image-text samples of ``dataset`` rows chosen by ``split``, for the sample plan.
 
     ``fetch`` (a worker's job) reads each row, decodes its image and tokenizes its text; a bad
@@ -48,7 +47,6 @@ class ImageTextSamples:
 
     batches_per_message = 1  # a decoded batch is worth a message of its own between processes
     uses_sample_keys = True  # a user's random transform draws from the sample's plan key
-    uses_positions = True  # a planned file cache evicts by the plan's next use (``planned_uses``)
 
     def __init__(
         self,
@@ -74,8 +72,8 @@ class ImageTextSamples:
         self.fingerprint = f"image-text:{sorted(details.items())}"
         self.vocabulary = details["tokenizer"]
         self.bad_samples = BadSampleLog()
-        self.planned_uses: Any = None  # the plan's next uses of the files, set for the training split
-        self.file_cache = CacheStats()  # what the file cache did for this split, all workers together
+        self.file_column = fields.image
+        self._start_planning()
 
     def __len__(self) -> int:
         return len(self.split)
@@ -89,21 +87,10 @@ class ImageTextSamples:
             raise AttributeError("fetch_many")
         return fetch_each(self.fetch)
 
-    @property
-    def plans_file_reads(self) -> bool:
-        """Whether the files the rows name go through a cache that evicts by the plan's next use."""
-        return self.files.plans_ahead and hasattr(self.dataset, "select_columns")
-
-    @property
-    def file_cache_summary(self) -> str | None:
-        return self.files.summary()
-
-    def file_keys(self, indices: np.ndarray) -> np.ndarray:
-        """The ``url_key`` of the remote file each sample's image is read from (0: none)."""
-        rows = self.split.rows(np.asarray(indices, dtype=np.int64))
-        values = self.dataset.select_columns([self.fields.image])[rows.tolist()][self.fields.image]
-        paths = [v.get("path") if isinstance(v, dict) and not v.get("bytes") else v for v in values]
-        return np.array([url_key(p) if isinstance(p, str) and is_url(p) else 0 for p in paths], dtype=np.uint64)
+    def file_location(self, value: Any) -> str | None:
+        """An image's path or URL (``None`` for bytes in the row)."""
+        path = value.get("path") if isinstance(value, dict) and not value.get("bytes") else value
+        return path if isinstance(path, str) else None
 
     @property
     def shape_key(self) -> tuple[Any, ...]:
@@ -159,28 +146,23 @@ class ImageTextSamples:
             self.dataset.prefetch(self.split.rows(np.asarray(indices)).tolist())
         if positions is None:
             positions = np.zeros(len(indices), dtype=np.int64)
-        cache_before = None if self.files.stats is None else astuple(self.files.stats)
+        counts: dict[str, Any] = {}
         try:
-            samples = [
-                self._sample(i, key, position, skipped)
-                for i, key, position in zip(
-                    np.asarray(indices).tolist(), np.asarray(keys).tolist(), np.asarray(positions).tolist(), strict=True
-                )
-            ]
+            with self.count_cache(counts):
+                reads = zip(*(np.asarray(a).tolist() for a in (indices, keys, positions)), strict=True)
+                samples = [self._sample(i, key, position, skipped) for i, key, position in reads]
         except BadSample as err:  # raised in the main process by to_batch, as one message
             return {"error": str(err)}
         kinds = {image.dtype for image, _ in samples}
         if len(kinds) > 1:
             return {"error": f"the image transform returned arrays of several dtypes {sorted(map(str, kinds))}"}
-        raw = {key: np.stack([text[key] for _, text in samples]) for key in samples[0][1]}
-        if cache_before is not None:
-            raw["file_cache"] = np.array(self.files.stats.since(cache_before), dtype=np.int64)
+        raw = {key: np.stack([text[key] for _, text in samples]) for key in samples[0][1]} | counts
         # An array, not a tensor: through the worker queue a pickled array measured 1.5x faster here
         # than a tensor moved to shared memory (a new segment per batch).
         return {**raw, "pixels": np.stack([image for image, _ in samples]), "skipped": skipped}
 
     def _sample(self, index: int, key: int, position: int, skipped: list) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        with self.files.reading_at(self.planned_uses, position):
+        with self.reading(position):
             return sample_or_replacement(
                 index, len(self), partial(self._read, key=key), self.describe, self.on_bad_sample, skipped
             )
@@ -189,8 +171,7 @@ class ImageTextSamples:
         if "error" in raw:
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
-        if "file_cache" in raw:
-            self.file_cache.add(raw["file_cache"])
+        self.add_cache_counts(raw)
         return {
             "pixel_values": torch.from_numpy(raw["pixels"]),
             "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),

@@ -28,8 +28,8 @@ class VideoDataModule(PlanDataModule):
         data_root, tokenizer, dataset_type, manifest, val_manifest, val_fraction, layout_options,
             frame_sampling, frame_options, max_frames, frame_accuracy, image_size, resize_mode, mean, std,
             num_video_tokens, image_token, add_bos, prompt, on_broken_clip, storage_options, file_cache_dir,
-            file_cache_bytes, test_manifest, test_fraction: see ``VideoSource``; ``storage_options`` are
-            kept out of checkpoints.
+            file_cache_bytes, file_cache_policy, test_manifest, test_fraction: see ``VideoSource``;
+            ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, placeholders included.
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
@@ -70,6 +70,7 @@ class VideoDataModule(PlanDataModule):
         storage_options: dict[str, Any] | None = None,
         file_cache_dir: str | None = None,
         file_cache_bytes: int | None = None,
+        file_cache_policy: str = "planned",
         seed: int = 0,
         num_workers: int = 0,
         allow_plan_change: bool = False,
@@ -113,6 +114,7 @@ class VideoDataModule(PlanDataModule):
             storage_options=storage_options,
             file_cache_dir=file_cache_dir,
             file_cache_bytes=file_cache_bytes,
+            file_cache_policy=file_cache_policy,
             test_manifest=test_manifest,
             test_fraction=test_fraction,
         )

@@ -18,6 +18,7 @@ from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.frame_sampling import FrameSampler
 from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
+from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
 from datamodules.vision.video_decoding import ClipBytes, read_frames
 from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
@@ -25,7 +26,7 @@ from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
 BROKEN_CLIP_POLICIES = ("mask", "raise")
 
 
-class VideoSamples:
+class VideoSamples(PlannedFiles):
     """Clip-caption samples of ``dataset`` rows chosen by ``split``, for the sample plan.
 
     ``fetch`` (a worker's job) reads each row, samples its timestamps (``sampler``, seeded by the
@@ -68,6 +69,8 @@ class VideoSamples:
         self.vocabulary = details["tokenizer"]
         self.bad_samples = BadSampleLog("masked broken clip %s (%s): no frames, no loss")
         self._has = {c: c in dataset.column_names for c in ("prompt", "duration")}
+        self.file_column = "video"
+        self._start_planning()
 
     def __len__(self) -> int:
         return len(self.split)
@@ -79,6 +82,10 @@ class VideoSamples:
         if not in_a_bucket(self.dataset):
             raise AttributeError("fetch_many")
         return fetch_each(self.fetch)
+
+    def file_location(self, value: Any) -> str | None:
+        """A clip's path or URL under ``data_root`` (``None`` for a tar member's bytes in the row)."""
+        return None if isinstance(value, dict) else join_location(self.data_root, value)
 
     @property
     def shape_key(self) -> tuple[Any, ...]:
@@ -147,23 +154,30 @@ class VideoSamples:
         sample = {name: value[0] for name, value in text.items()}
         return {**sample, "pixels": pixels, "timestamps": times, "frame_mask": mask, "broken": None}
 
-    def fetch(self, indices: np.ndarray, keys: np.ndarray) -> dict[str, Any]:
+    def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
         if hasattr(self.dataset, "prefetch"):  # tar shards: the micro-batch's members requested together
             self.dataset.prefetch(self.split.rows(np.asarray(indices)).tolist())
+        if positions is None:
+            positions = np.zeros(len(indices), dtype=np.int64)
+        counts: dict[str, Any] = {}
         try:
-            samples = [
-                self._read(i, key)
-                for i, key in zip(np.asarray(indices).tolist(), np.asarray(keys).tolist(), strict=True)
-            ]
+            with self.count_cache(counts):
+                reads = zip(*(np.asarray(a).tolist() for a in (indices, keys, positions)), strict=True)
+                samples = [self._read_at(i, key, position) for i, key, position in reads]
         except BadSample as err:  # raised in the main process by to_batch, as one message
             return {"error": str(err)}
-        raw = {key: np.stack([s[key] for s in samples]) for key in samples[0] if key != "broken"}
+        raw = {key: np.stack([s[key] for s in samples]) for key in samples[0] if key != "broken"} | counts
         return {**raw, "skipped": [s["broken"] for s in samples if s["broken"] is not None]}
+
+    def _read_at(self, index: int, key: int, position: int) -> dict[str, Any]:
+        with self.reading(position):
+            return self._read(index, key)
 
     def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
         if "error" in raw:
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
+        self.add_cache_counts(raw)
         return {
             "pixel_values": torch.from_numpy(raw["pixels"]),
             "frame_mask": torch.from_numpy(raw["frame_mask"]),

@@ -58,8 +58,12 @@ class VideoSource(SourceSpec):
             counted and logged) or ``"raise"``.
         storage_options: for a ``data_root`` or manifest that is a URL (``s3://``, ``gs://``, ...), the
             fsspec filesystem's options (endpoint, credentials, ``anon``).
-        file_cache_dir, file_cache_bytes: a node-local folder keeping clips read by URL, and the most
-            bytes it holds (least recently used evicted first); default: no cache (clips read into memory).
+        file_cache_dir, file_cache_bytes: a node-local folder keeping clips read by URL (each by its
+            URL and version: a changed object is fetched again), shared by the node's ranks and
+            workers, and the most bytes it holds; default: no cache (clips read into memory).
+        file_cache_policy: which clips leave the cache when it is full: ``"planned"`` (default), the
+            one the node's ranks read furthest ahead in the plan (a clip read later than all of those is
+            not kept: Belady's rule); ``"lru"``, the least recently used.
     """
 
     data_root: str
@@ -85,12 +89,15 @@ class VideoSource(SourceSpec):
     storage_options: dict[str, Any] | None = None
     file_cache_dir: str | None = None
     file_cache_bytes: int | None = None
+    file_cache_policy: str = "planned"
     test_manifest: str | list[str] | None = None
     test_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         self.data_root = str(self.data_root)
-        self.files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes, "lru")
+        self.files = RemoteFiles(
+            self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy
+        )
         check_policy(self.on_broken_clip, BROKEN_CLIP_POLICIES, "on_broken_clip")
         require_existing("data_root", self.data_root)
         require_existing("tokenizer", self.tokenizer, only_if_local=True)

@@ -13,13 +13,15 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
-from datamodules import ImageTextDataModule
+from datamodules import ImageTextDataModule, VideoDataModule
 from tests.distributed_support import train_record
 from tests.support import RecordingModel, logged_rows, quiet_trainer
 from tests.vision.image_data import image_folder, tokenizer_for
+from tests.vision.video_data import video_caption, video_folder
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -49,6 +51,10 @@ def two_epochs(proxy: S3Proxy, data: Path, tokenizer: str, **cache: object) -> t
     dm = ImageTextDataModule(
         str(data), tokenizer=tokenizer, storage_options=storage_options(proxy.url), **OPTIONS, **cache
     )
+    return epochs_fetched(dm, proxy)
+
+
+def epochs_fetched(dm: LightningDataModule, proxy: S3Proxy) -> tuple[list, list[str], list[str]]:
     dm.prepare_data()
     dm.setup("fit")
     batches, fetched = [], []
@@ -183,3 +189,29 @@ def test_the_cache_is_in_the_data_summary_and_its_counts_reach_the_logger_every_
     assert last["misses"] == proxy.ranged_gets and last["bytes_fetched"] == proxy.bytes_sent  # what the server sent
     assert last["hit_rate"] == last["hits"] / (2 * IMAGES) > 0
     assert last["not_kept"] > 0 and last["evictions"] > 0
+
+
+def test_video_clips_are_cached_by_their_next_use_as_images_are(
+    tmp_path: Path, endpoint: str, by_url: tuple[Path, str, dict[str, int]]
+) -> None:  # by_url: the bucket
+    from examples.default_images import train_caption_tokenizer
+
+    tokenizer = str(train_caption_tokenizer([video_caption(i) for i in range(50)], tmp_path / "tok", vocab_size=300))
+    root = video_folder(tmp_path / "videos", 10)
+    s3fs.S3FileSystem(**storage_options(endpoint)).put(str(root), f"{BUCKET}/videos", recursive=True)
+    sizes = {f"/{BUCKET}/videos/clips/{p.name}": p.stat().st_size for p in (root / "clips").iterdir()}
+    common = {"max_text_len": 24, "batch_size": 2, "image_size": 16, "frame_options": {"fps": 2.0}, "max_frames": 4}
+    proxy = S3Proxy(endpoint)
+    try:
+        url, options = f"s3://{BUCKET}/videos", {"storage_options": storage_options(proxy.url), "seed": 3}
+        want, first, second = epochs_fetched(VideoDataModule(url, tokenizer, **common, **options), proxy)
+        budget = sum(sizes.values()) // 2
+        cache = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": budget}
+        got, *fetched = epochs_fetched(VideoDataModule(url, tokenizer, **common, **options, **cache), proxy)
+    finally:
+        proxy.close()
+    same_batches(want, got)
+    order = [path for path in first + second if path in sizes]  # the clips (the manifest is read too)
+    fetches, _ = simulate(order, sizes, budget, "belady")
+    assert [p for p in fetched[0] + fetched[1] if p in sizes] == [p for p, f in zip(order, fetches, strict=True) if f]
+    assert sum(fetches) < len(order)  # the second epoch found clips in the cache
