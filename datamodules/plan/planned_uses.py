@@ -24,7 +24,8 @@ class PlannedUses:
 
     Args:
         sample_indices: the samples (indices into the source) at an array of plan positions.
-        file_keys: the ``url_key`` of the file each sample index reads (0: none).
+        file_keys: the key of the file (``url_key``) or range (``range_key``) each sample index
+            reads (0: none); a 2-D array for samples that read several (rows padded with 0).
         anchor: the position where this run's grid of global micro-batches starts.
         batch_size: samples per data-parallel rank per micro-batch.
         dp_size: data-parallel ranks.
@@ -85,7 +86,9 @@ class PlannedUses:
     def _look_ahead(self, position: int) -> None:
         positions = self.node_positions(position, self.horizon)
         samples, where = np.unique(self.sample_indices(positions), return_inverse=True)
-        keys = self.file_keys(samples).astype(np.uint64)[where]  # a sample's file, asked once
+        keys = self.file_keys(samples).astype(np.uint64)[where]  # a sample's files, asked once
+        if keys.ndim == 2:  # several reads a sample (a window across two shards): one use each
+            positions, keys = np.repeat(positions, keys.shape[1]), keys.ravel()
         reads = keys != 0
         keys, positions = keys[reads], positions[reads]
         order = np.lexsort((positions, keys))

@@ -25,6 +25,7 @@ import fcntl
 import logging
 import os
 import sqlite3
+import threading
 import time
 import uuid
 import zlib
@@ -83,11 +84,13 @@ class FileCache:
         self.folder = Path(folder)
         self.budget = budget
         self.stats = CacheStats()
-        self._db: sqlite3.Connection | None = None
-        self._pid = -1
+        self._local = threading.local()  # this thread's connection to the index, and its process
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_db": None, "_pid": -1}  # a connection is per process
+        return {**self.__dict__, "_local": None}  # a connection is per process and thread
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _local=threading.local())
 
     def read(self, name: str, fetch: Callable[[], bytes], rank: float, planned: bool) -> bytes:
         """The item ``name``: the cached copy, else ``fetch()``, kept if the rule admits it.
@@ -95,18 +98,41 @@ class FileCache:
         ``rank``: where the item stands in the eviction order after this read (its next use, or its
         last use negated); ``planned``: whether ranks are next uses, so an item needed later than
         every victim it would displace is not kept."""
-        self._connection()  # the folders and the index exist
-        data = self._cached(name, rank)
+        data = self.lookup(name, rank)
         if data is None:
-            with self._fetching(name):
-                data = self._cached(name, rank)  # fetched by another process while this one waited
+            with self.fetching([name]):
+                data = self.lookup(name, rank)  # fetched by another process while this one waited
                 if data is None:
                     data = fetch()
-                    self.stats.misses += 1
-                    self.stats.bytes_fetched += len(data)
-                    self._admit(name, data, rank, planned)
-        self.stats.bytes_read += len(data)
+                    self.keep(name, data, rank, planned)
         return data
+
+    def lookup(self, name: str, rank: float) -> bytes | None:
+        """The cached copy of ``name`` (its rank updated), or ``None``."""
+        self._connection()  # the folders and the index exist
+        data = self._cached(name, rank)
+        if data is not None:
+            self.stats.bytes_read += len(data)
+        return data
+
+    @contextmanager
+    def fetching(self, names: list[str]) -> Iterator[None]:
+        """Held while this process fetches ``names``: another process missing one of them waits, then
+        finds it in the cache. Stripes are taken in order, so two processes never wait on each other."""
+        self._connection()
+        stripes = sorted({zlib.crc32(name.encode()) % LOCK_STRIPES for name in names})
+        with contextlib.ExitStack() as held:
+            for stripe in stripes:
+                lock = held.enter_context(open(self.folder / "locks" / f"{stripe:04d}", "a"))
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+            yield
+
+    def keep(self, name: str, data: bytes, rank: float, planned: bool) -> None:
+        """Count ``data`` (just fetched) and keep it as ``name`` if the rule admits it."""
+        self.stats.misses += 1
+        self.stats.bytes_fetched += len(data)
+        self.stats.bytes_read += len(data)
+        self._admit(name, data, rank, planned)
 
     def _cached(self, name: str, rank: float) -> bytes | None:
         try:
@@ -159,16 +185,6 @@ class FileCache:
                 partial.unlink()
 
     @contextmanager
-    def _fetching(self, name: str) -> Iterator[None]:
-        stripe = self.folder / "locks" / f"{zlib.crc32(name.encode()) % LOCK_STRIPES:04d}"
-        with open(stripe, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-    @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._connection()
         db.execute("BEGIN IMMEDIATE")
@@ -181,8 +197,9 @@ class FileCache:
             db.commit()
 
     def _connection(self) -> sqlite3.Connection:
-        if self._db is not None and self._pid == os.getpid():
-            return self._db
+        db, pid = getattr(self._local, "db", None), getattr(self._local, "pid", -1)
+        if db is not None and pid == os.getpid():
+            return db
         for part in ("items", "partial", "locks"):
             (self.folder / part).mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.folder / "index.sqlite", timeout=600, isolation_level=None)
@@ -195,7 +212,7 @@ class FileCache:
             if db.execute("SELECT COUNT(*) FROM total").fetchone()[0] == 0:
                 db.execute("INSERT INTO total VALUES (0)")
         self._remove_stale_partials()
-        self._db, self._pid = db, os.getpid()
+        self._local.db, self._local.pid = db, os.getpid()
         return db
 
     @contextmanager

@@ -46,6 +46,11 @@ def url_key(url: str) -> int:
     return int.from_bytes(hashlib.blake2b(url.encode(), digest_size=8).digest(), "little")
 
 
+def range_key(url: str, start: int, end: int) -> int:
+    """The key of bytes ``[start, end)`` of the object ``url``, as ``url_key`` is a whole file's."""
+    return url_key(f"{url}#{start}-{end}")
+
+
 @dataclass
 class RemoteFiles:
     """Reads whole files by local path or URL (``s3://``, ``gs://``, ``hf://``, ``http(s)://``).
@@ -128,12 +133,48 @@ class RemoteFiles:
         rank, planned = self._rank(key)
         return self._cache.read(name, lambda: self._fetch(url, size), rank, planned)
 
-    def _rank(self, key: int) -> tuple[float, bool]:
-        """The file's place in the eviction order after this read, and whether it is a planned one."""
+    def _rank(self, key: int, at: tuple[NextUses | None, int] | None = None) -> tuple[float, bool]:
+        """An item's place in the eviction order after this read, and whether it is a planned one;
+        ``at``: the plan's uses and the position read (default: this thread's, ``reading_at``)."""
         if self.cache_policy == "lru":
             return -time.time(), False
-        uses, position = getattr(self._clock, "at", None) or (None, 0)
+        uses, position = at or getattr(self._clock, "at", None) or (None, 0)
         return (NEVER if uses is None else uses.next_use(key, position)), True
+
+    def read_ranges(
+        self,
+        reader: RangeReader,
+        paths: list[str],
+        starts: list[int],
+        ends: list[int],
+        uses: NextUses | None = None,
+        positions: list[int] | None = None,
+    ) -> list[bytes]:
+        """Ranges ``[start, end)`` of objects whose versions ``reader`` recorded (``RangeReader.expect``),
+        through the cache: each range an item named by its object, version and bounds (``range_key``),
+        the misses fetched together by ``reader`` (merged and concurrent as it reads), one fetch per
+        node. ``uses`` and ``positions``: the plan's next uses of the ranges and where each is read."""
+        if self._cache is None:
+            return reader.read(paths, starts, ends)
+        names, ranks = [], []
+        for i, (path, start, end) in enumerate(zip(paths, starts, ends, strict=True)):
+            key = range_key(path, start, end)
+            version = hashlib.blake2b(repr(reader.expected.get(path)).encode(), digest_size=8).hexdigest()
+            names.append(f"{key:016x}-{version}")
+            ranks.append(self._rank(key, None if positions is None else (uses, positions[i])))
+        out = [self._cache.lookup(name, rank) for name, (rank, _) in zip(names, ranks, strict=True)]
+        missing = [i for i, data in enumerate(out) if data is None]
+        if missing:
+            with self._cache.fetching([names[i] for i in missing]):
+                for i in missing:  # fetched by another process while this one waited
+                    out[i] = self._cache.lookup(names[i], ranks[i][0])
+                missing = [i for i in missing if out[i] is None]
+                ranges = ([column[i] for i in missing] for column in (paths, starts, ends))
+                fetched = reader.read(*ranges) if missing else []
+                for i, data in zip(missing, fetched, strict=True):
+                    out[i] = data
+                    self._cache.keep(names[i], data, *ranks[i])
+        return out
 
     def open(self, location: str | os.PathLike) -> BinaryIO:
         """The file at ``location`` opened for reading: the local file, or a remote one's bytes."""

@@ -32,6 +32,7 @@ class TokenShardDataModule(PlanDataModule):
         prefetch_steps: for a URL, micro-batches whose windows are requested in one round of
             concurrent range requests, the next round while the current one trains.
         io_threads: for a URL, range requests in flight at once per process (main or worker).
+        file_cache_dir, file_cache_bytes, file_cache_policy: see ``TokenShardSource``.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within,
             split_sequence_for, sequence_split: see
             ``PlanDataModule``.
@@ -64,6 +65,9 @@ class TokenShardDataModule(PlanDataModule):
         io_threads: int = IO_THREADS,
         test_dir: str | Path | None = None,
         test_fraction: float = 0.0,
+        file_cache_dir: str | None = None,
+        file_cache_bytes: int | None = None,
+        file_cache_policy: str = "planned",
     ) -> None:
         super().__init__(
             batch_size,
@@ -79,7 +83,7 @@ class TokenShardDataModule(PlanDataModule):
         require_int("seq_len", seq_len, 1)
         self.source = TokenShardSource(
             data_dir, val_dir, val_fraction, file_pattern, storage_options, prefetch_steps, io_threads, test_dir,
-            test_fraction,
+            test_fraction, file_cache_dir, file_cache_bytes, file_cache_policy,
         )  # fmt: skip
         # Paths as strings, so checkpoints stay loadable with torch.load(weights_only=True).
         data_dir, val_dir, test_dir = self.source.data_dir, self.source.val_dir, self.source.test_dir

@@ -9,6 +9,7 @@ from typing import Any
 from datamodules.plan.arguments import check_held_out, require_existing, require_int
 from datamodules.plan.loader import SourceSpec
 from datamodules.plan.parallelism import Job
+from datamodules.storage.remote_files import RemoteFiles
 from datamodules.text.token_shards import IO_THREADS, PREFETCH_STEPS, TokenShards
 from datamodules.text.token_windows import TokenWindows
 
@@ -31,6 +32,13 @@ class TokenShardSource(SourceSpec):
         prefetch_steps: for a URL, micro-batches whose windows are requested in one round, the next
             round while the current one trains (per worker with workers): at least this many steps ahead.
         io_threads: for a URL, range requests in flight at once per process (main or worker).
+        file_cache_dir, file_cache_bytes: for a URL, a node-local folder keeping the windows read
+            (each its range of a shard, named by the shard's ETag), shared by the node's ranks and
+            workers, and the most bytes it holds: a small source a mixture repeats, or a corpus
+            trained for several epochs, is fetched once; default: no cache.
+        file_cache_policy: which windows leave the cache when it is full: ``"planned"`` (default),
+            the one the node's ranks read furthest ahead in the plan (one read later than all of those
+            is not kept: Belady's rule); ``"lru"``, the least recently used.
     """
 
     data_dir: str
@@ -42,6 +50,9 @@ class TokenShardSource(SourceSpec):
     io_threads: int = IO_THREADS
     test_dir: str | None = None
     test_fraction: float = 0.0
+    file_cache_dir: str | None = None
+    file_cache_bytes: int | None = None
+    file_cache_policy: str = "planned"
 
     def __post_init__(self) -> None:
         require_int("prefetch_steps", self.prefetch_steps, 1)
@@ -54,11 +65,13 @@ class TokenShardSource(SourceSpec):
         check_held_out(("test_dir", self.test_dir, "test_fraction", self.test_fraction), self.val_fraction)
         for option in ("data_dir", "val_dir", "test_dir"):
             require_existing(option, getattr(self, option))
+        RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy)  # checked
 
     def build(
         self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[TokenWindows, dict[str, TokenWindows]]:
-        reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads, job)
+        files = RemoteFiles(self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy)
+        reading = (self.file_pattern, self.storage_options, self.prefetch_steps, self.io_threads, job, files)
         shards = TokenShards(self.data_dir, *reading)
         val = None if self.val_dir is None else TokenShards(self.val_dir, *reading)
         test = None if self.test_dir is None else TokenShards(self.test_dir, *reading)

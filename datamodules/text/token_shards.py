@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import logging
 import os
 import time
@@ -38,6 +39,7 @@ from datamodules.storage.range_reader import (
     local_version,
     read_ranges,
 )
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, range_key
 from datamodules.text.megatron import parse_index
 from datamodules.text.shard_description import (
     DescriptionCache,
@@ -369,9 +371,11 @@ class TokenShards:
         prefetch_steps: int = PREFETCH_STEPS,
         io_threads: int = IO_THREADS,
         job: Job | None = None,
+        files: RemoteFiles = LOCAL_FILES,
     ) -> None:
         self.directory = storage_path(directory, storage_options)
         self.prefetch_steps = prefetch_steps
+        self.files = files  # its cache keeps the windows' ranges of shards behind a URL
         reader = RangeReader(str(directory), storage_options, io_threads) if is_url(directory) else None
         cache = None if job is None else DescriptionCache()
         describe = functools.partial(self._describe, str(directory), reader, file_pattern, cache)
@@ -432,6 +436,7 @@ class TokenShards:
         shard = ShardFile(Path(f"<memory:{name}>"), len(tokens), 0, tokens.dtype.name)
         shards._set_layout(ShardLayout(tokens.dtype, [shard], document_starts.astype(np.int64), digest, vocabulary))
         shards._memory, shards._readers, shards.prefetch_steps = tokens, [None], PREFETCH_STEPS
+        shards.files = LOCAL_FILES
         shards._versions = [None]
         return shards
 
@@ -441,6 +446,7 @@ class TokenShards:
         joined = cls.__new__(cls)
         joined.directory = parts[0].directory
         joined.prefetch_steps = max(part.prefetch_steps for part in parts)
+        joined.files = next((p.files for p in parts if p.files.stats is not None), parts[0].files)
         joined._set_layout(_concat([p._layout for p in parts]))
         joined._readers = [reader for part in parts for reader in part._readers]
         joined._versions = [version for part in parts for version in part._versions]
@@ -506,10 +512,13 @@ class TokenShards:
             done += take
             i += 1
 
-    def read_windows(self, starts: np.ndarray, width: int) -> np.ndarray:
-        """Tokens ``[s, s + width)`` of the stream for each ``s`` in ``starts``, one row each."""
+    def read_windows(
+        self, starts: np.ndarray, width: int, uses: Any = None, positions: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Tokens ``[s, s + width)`` of the stream for each ``s`` in ``starts``, one row each. Behind a
+        URL, through ``files``' cache: ``uses``, the plan's next uses, and each row's plan position."""
         if self.remote:
-            return self._read_remote(np.asarray(starts, dtype=np.int64), width)
+            return self._read_remote(np.asarray(starts, dtype=np.int64), width, uses, positions)
         out = np.empty((len(starts), width), dtype=self.dtype)
         # Shards are looked up for all rows at once, so a row inside one shard costs a single slice
         # copy; only a window that crosses into the next shard takes the general path.
@@ -524,9 +533,26 @@ class TokenShards:
         self._check_unchanged(shards)
         return out
 
-    def _read_remote(self, starts: np.ndarray, width: int) -> np.ndarray:
+    def window_keys(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """The ``range_key`` of each window's pieces in shards behind a URL, ``[windows, 2]`` (a window
+        touches at most two shards when a shard holds a window or more; 0: no piece, or a local one)."""
+        keys = np.zeros((len(starts), 2), dtype=np.uint64)
+        for row, start in enumerate(np.asarray(starts).tolist()):
+            for piece, (i, local, _, take) in enumerate(itertools.islice(self._pieces(start, width), 2)):
+                if self._readers[i] is not None:
+                    keys[row, piece] = range_key(*self._piece_range(i, local, take))
+        return keys
+
+    def _piece_range(self, i: int, local: int, take: int) -> tuple[str, int, int]:
+        shard, itemsize = self._shards[i], np.dtype(self._shards[i].dtype).itemsize
+        return str(shard.path), shard.offset + local * itemsize, shard.offset + (local + take) * itemsize
+
+    def _read_remote(
+        self, starts: np.ndarray, width: int, uses: Any = None, positions: np.ndarray | None = None
+    ) -> np.ndarray:
         """The windows as byte ranges: one piece per (window, shard it touches), each reader's pieces
-        in one round of requests (a local shard of a joined stream is sliced from its map)."""
+        in one round of requests (a local shard of a joined stream is sliced from its map); a piece
+        the cache holds is read from there."""
         out = np.empty((len(starts), width), dtype=self.dtype)
         by_reader: dict[RangeReader, list[tuple[int, int, int, int, int]]] = {}  # (row, column, shard, first, count)
         for row, start in enumerate(starts.tolist()):
@@ -536,13 +562,10 @@ class TokenShards:
                 else:
                     by_reader.setdefault(self._readers[i], []).append((row, column, i, local, take))
         for reader, pieces in by_reader.items():
-            paths, firsts, ends = [], [], []
-            for _, _, i, local, take in pieces:
-                shard, itemsize = self._shards[i], np.dtype(self._shards[i].dtype).itemsize
-                paths.append(str(shard.path))
-                firsts.append(shard.offset + local * itemsize)
-                ends.append(shard.offset + (local + take) * itemsize)
-            blobs = reader.read(paths, firsts, ends)
+            ranges = [self._piece_range(i, local, take) for _, _, i, local, take in pieces]
+            paths, firsts, ends = ([r[k] for r in ranges] for k in range(3))
+            at = None if positions is None else [int(positions[row]) for row, *_ in pieces]
+            blobs = self.files.read_ranges(reader, paths, firsts, ends, uses, at)
             for (row, column, i, _, take), blob in zip(pieces, blobs, strict=True):
                 out[row, column : column + take] = np.frombuffer(blob, dtype=self._shards[i].dtype)
         return out

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from datamodules.plan.loader import IGNORE_INDEX, MESSAGE_BATCHES
+from datamodules.storage.planned_reads import CACHE_COUNTS, PlannedReads
 from datamodules.text.token_shards import TokenShards
 
 
-class TokenWindows:
+class TokenWindows(PlannedReads):
     """``seq_len + 1``-token windows over tokens ``[first_token, last_token)`` of ``shards``.
 
     Args:
@@ -67,6 +68,8 @@ class TokenWindows:
         # ``[_ends[r - 1], _ends[r])``; window ``i`` of it starts at token ``_shifts[r] + i * seq_len``.
         self._ends = np.array([self.num_windows], dtype=np.int64)
         self._shifts = np.array([first_token], dtype=np.int64)
+        self.files = shards.files
+        self._start_planning()
 
     raw_layout = "token windows"  # what ``fetch`` returns; a ``TextStream`` gives the same
 
@@ -89,6 +92,8 @@ class TokenWindows:
         joined.shards = TokenShards.concat([p.shards for p in parts])
         joined.num_windows = sum(len(p) for p in parts)
         joined.fingerprint = "+".join(p.fingerprint for p in parts)
+        joined.files = joined.shards.files
+        joined._start_planning()
         offsets = list(zip(parts, stream_offsets, window_offsets, strict=True))
         joined._ends = np.concatenate([p._ends + w for p, _, w in offsets])
         # Joined window i is window i - w of a part whose stream starts t tokens into the joined one.
@@ -102,11 +107,26 @@ class TokenWindows:
         # Once per micro-batch, so one lookup and one gather (the ndarray method skips numpy's dispatch).
         return self._shifts[self._ends.searchsorted(indices, side="right")] + indices * self.seq_len
 
-    def fetch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    @property
+    def uses_positions(self) -> bool:  # where each window is read, for a cache planned by the plan
+        return self.plans_file_reads
+
+    @property
+    def plans_file_reads(self) -> bool:
+        """Whether the windows' ranges go through a cache that evicts by the plan's next use."""
+        return self.shards.remote and self.files.plans_ahead
+
+    def file_keys(self, indices: np.ndarray) -> np.ndarray:
+        """The ``range_key`` of each window's pieces in the shards (``[windows, 2]``)."""
+        return self.shards.window_keys(self._window_starts(indices), self.seq_len + 1)
+
+    def fetch(self, indices: np.ndarray, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Raw windows for sample ``indices``: tokens in the stored dtype, plus document starts."""
         width = self.seq_len + 1
         starts = self._window_starts(indices)
-        raw = {"tokens": self.shards.read_windows(starts, width)}
+        raw: dict[str, np.ndarray] = {}
+        with self.count_cache(raw):
+            raw["tokens"] = self.shards.read_windows(starts, width, self.planned_uses, positions)
         if self.pack_sequences:
             doc = self.shards.document_starts
             lo = np.searchsorted(doc, starts, side="left")
@@ -134,10 +154,17 @@ class TokenWindows:
 
     def _fetch_many(self, calls: list[tuple[np.ndarray, dict]]) -> list[dict[str, np.ndarray]]:
         bounds = np.cumsum([0] + [len(indices) for indices, _ in calls])
-        raw = self.fetch(np.concatenate([indices for indices, _ in calls]))
-        return [{key: value[a:b] for key, value in raw.items()} for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        positions = [extra["positions"] for _, extra in calls if "positions" in extra]
+        joined = np.concatenate(positions) if len(positions) == len(calls) else None
+        raw = self.fetch(np.concatenate([indices for indices, _ in calls]), joined)
+        counts = raw.pop(CACHE_COUNTS, None)
+        raws = [{key: value[a:b] for key, value in raw.items()} for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if counts is not None:  # the round's counts ride on its first batch
+            raws[0][CACHE_COUNTS] = counts
+        return raws
 
     def to_batch(self, raw: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        self.add_cache_counts(raw)
         return windows_to_batch(raw)
 
 

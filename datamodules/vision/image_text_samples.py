@@ -142,13 +142,12 @@ class ImageTextSamples(PlannedFiles):
 
     def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
         skipped: list[tuple[str, str]] = []
-        if hasattr(self.dataset, "prefetch"):  # tar shards: the micro-batch's members requested together
-            self.dataset.prefetch(self.split.rows(np.asarray(indices)).tolist())
         if positions is None:
             positions = np.zeros(len(indices), dtype=np.int64)
         counts: dict[str, Any] = {}
         try:
             with self.count_cache(counts):
+                self.prefetch(indices, positions)
                 reads = zip(*(np.asarray(a).tolist() for a in (indices, keys, positions)), strict=True)
                 samples = [self._sample(i, key, position, skipped) for i, key, position in reads]
         except BadSample as err:  # raised in the main process by to_batch, as one message

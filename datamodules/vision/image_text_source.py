@@ -171,7 +171,7 @@ class ImageTextSource(SourceSpec):
             fields = {self.image_field: self.image_field, self.text_field: self.text_field}
             if self.prompt_field is not None:
                 fields[self.prompt_field] = self.prompt_field
-            return WebDatasetRows(self._shards(split, job), fields, (self.image_field,))
+            return WebDatasetRows(self._shards(split, job), fields, (self.image_field,), self.files)
         return load_split(
             self.path, split, self.name, self.data_files, self.load_kwargs, storage_options=self.storage_options
         )

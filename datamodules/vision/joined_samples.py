@@ -10,6 +10,7 @@ import torch
 
 from datamodules.plan.bad_samples import BadSampleLog
 from datamodules.storage.file_cache import CacheStats
+from datamodules.storage.planned_reads import CACHE_COUNTS
 
 
 class JoinedSamples:
@@ -82,17 +83,17 @@ class JoinedSamples:
                 return raw
             order.append(at)
             pieces.append(raw)
-        counts = [p.pop("file_cache") for p in pieces if "file_cache" in p]
+        counts = [p.pop(CACHE_COUNTS) for p in pieces if CACHE_COUNTS in p]
         inverse = np.argsort(np.concatenate(order), kind="stable")
         joined = {key: np.concatenate([p[key] for p in pieces])[inverse] for key in pieces[0] if key != "skipped"}
         if counts:
-            joined["file_cache"] = np.sum(counts, axis=0)
+            joined[CACHE_COUNTS] = np.sum(counts, axis=0)
         return {**joined, "skipped": [entry for p in pieces for entry in p["skipped"]]}
 
     def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
         raw = dict(raw)
-        if "file_cache" in raw:
-            self.file_cache.add(raw.pop("file_cache"))
+        if CACHE_COUNTS in raw:
+            self.file_cache.add(raw.pop(CACHE_COUNTS))
         batch = self.parts[0].to_batch({**raw, "skipped": []})
         self.bad_samples.record(raw["skipped"])
         return batch

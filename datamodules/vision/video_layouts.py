@@ -19,6 +19,7 @@ from datamodules.plan.arguments import require_int
 from datamodules.plan.hf_loading import load_split
 from datamodules.plan.parallelism import Job
 from datamodules.storage.locations import is_url, join_location, storage_path
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.webdataset_rows import WebDatasetRows, indexed_shards
 
@@ -80,6 +81,7 @@ class VideoLayout(ABC):
     def __init__(self, data_root: str) -> None:
         self.data_root = data_root
         self.storage_options: dict[str, Any] | None = None  # for URLs; set by the source
+        self.files: RemoteFiles = LOCAL_FILES  # the source's, with its file cache
 
     def manifest_files(self, manifest: str | list[str]) -> list[str]:
         """Each manifest file, relative to ``data_root`` unless absolute; an error if one is not a file."""
@@ -290,7 +292,7 @@ class WebDatasetLayout(VideoLayout):
         pass  # the shards are indexed in ``load``, where the job's ranks share the work
 
     def rows(self, manifest: str | list[str], train_manifest: Any = None, job: Job | None = None) -> Any:
-        return WebDatasetRows(self._shards(manifest, job), self.fields, ("video",))
+        return WebDatasetRows(self._shards(manifest, job), self.fields, ("video",), self.files)
 
     def load(self, manifest: str | list[str], train_manifest: Any = None, job: Job | None = None) -> Any:
         rows = self.rows(manifest, train_manifest, job)  # the members lie inside the shards: no path to check

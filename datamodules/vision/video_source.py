@@ -109,7 +109,7 @@ class VideoSource(SourceSpec):
         check_held_out(("val_manifest", self.val_manifest, "val_fraction", self.val_fraction))
         check_held_out(("test_manifest", self.test_manifest, "test_fraction", self.test_fraction), self.val_fraction)
         self.layout = video_layout(self.dataset_type, self.data_root, dict(self.layout_options))
-        self.layout.storage_options = self.storage_options
+        self.layout.storage_options, self.layout.files = self.storage_options, self.files
         self.manifest = self.manifest or self.layout.default_manifest
         if self.manifest is None:
             raise ValueError(f"dataset_type {self.dataset_type!r} needs a manifest")

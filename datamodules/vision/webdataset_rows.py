@@ -32,6 +32,7 @@ from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.parallelism import Job
 from datamodules.storage.locations import is_url
 from datamodules.storage.range_reader import ChangedDuringRun, changed_message, read_range, read_unchanged
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, range_key
 from datamodules.storage.sample_table import IndexedShards
 from datamodules.storage.tar_index import described_shards, index_shards
 from datamodules.storage.tar_members import Member, TarWalk, headers_digest, key_and_field
@@ -55,9 +56,12 @@ class WebDatasetRows:
     ``"json:NAME"`` takes ``NAME`` from the sample's ``.json`` member. The fields named in ``media``
     are given as bytes, the others as text."""
 
-    def __init__(self, shards: IndexedShards, fields: dict[str, str], media: tuple[str, ...]) -> None:
+    def __init__(
+        self, shards: IndexedShards, fields: dict[str, str], media: tuple[str, ...], files: RemoteFiles = LOCAL_FILES
+    ) -> None:
         self.shards = shards
         self.reader = shards.reader  # remote shards' ranges, with their sizes and ETags recorded
+        self.files = files  # its cache keeps remote samples' ranges
         self.media = media
         self.locations = shards.locations
         self.read_locations = shards.read_locations  # a compressed shard's members: its decompressed copy
@@ -87,18 +91,28 @@ class WebDatasetRows:
     def describe(self, row: int) -> str:
         return f"{self.locations[int(self.shards.shard_of(row))]}:{self.shards.key(row)}"
 
-    def prefetch(self, rows: list[int]) -> None:
+    def file_keys(self, rows: np.ndarray) -> np.ndarray:
+        """The ``range_key`` of each row's range in a shard in a bucket (0: a local shard), as the
+        plan's next uses of a file cache know them."""
+        shards, starts, ends = (column.tolist() for column in self.shards.spans(np.asarray(rows, dtype=np.int64)))
+        paths = [self.read_locations[shard] for shard in shards]
+        keys = [range_key(p, s, e) if is_url(p) else 0 for p, s, e in zip(paths, starts, ends, strict=True)]
+        return np.array(keys, dtype=np.uint64)
+
+    def prefetch(self, rows: list[int], uses: Any = None, positions: list[int] | None = None) -> None:
         """Read the rows' members now, together (one request per row, concurrent, adjacent rows of a
-        shard merged); the next ``self[row]`` of each takes them from memory."""
+        shard merged; with a file cache, the rows it holds from there); the next ``self[row]`` of each
+        takes them from memory. ``uses``, ``positions``: the plan's next uses and each row's position."""
         rows = [int(r) for r in rows]
         shards, starts, ends = (column.tolist() for column in self.shards.spans(np.array(rows, dtype=np.int64)))
         paths = [self.read_locations[shard] for shard in shards]
         remote = [i for i, path in enumerate(paths) if is_url(path)]
         spans = [b""] * len(rows)
         if remote:
-            fetched = self.reader.read(
-                [paths[i] for i in remote], [starts[i] for i in remote], [ends[i] for i in remote]
-            )
+            fetched = self.files.read_ranges(
+                self.reader, *([column[i] for i in remote] for column in (paths, starts, ends)),
+                uses, None if positions is None else [positions[i] for i in remote],
+            )  # fmt: skip
             for i, span in zip(remote, fetched, strict=True):
                 spans[i] = span
         for i, path in enumerate(paths):

@@ -17,9 +17,9 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
-from datamodules import ImageTextDataModule, VideoDataModule
+from datamodules import ImageTextDataModule, TokenShardDataModule, VideoDataModule
 from tests.distributed_support import train_record
-from tests.support import RecordingModel, logged_rows, quiet_trainer
+from tests.support import RecordingModel, logged_rows, make_token_shards, quiet_trainer
 from tests.vision.image_data import image_folder, tokenizer_for
 from tests.vision.video_data import video_caption, video_folder
 
@@ -54,14 +54,15 @@ def two_epochs(proxy: S3Proxy, data: Path, tokenizer: str, **cache: object) -> t
     return epochs_fetched(dm, proxy)
 
 
-def epochs_fetched(dm: LightningDataModule, proxy: S3Proxy) -> tuple[list, list[str], list[str]]:
+def epochs_fetched(dm: LightningDataModule, proxy: S3Proxy, ranges: bool = False) -> tuple[list, list[str], list[str]]:
+    """Batches of two epochs, and the objects (``ranges``: ``path#bytes=a-b``) fetched in each, in order."""
     dm.prepare_data()
     dm.setup("fit")
     batches, fetched = [], []
     for _ in range(2):
         proxy.reset_counts()
         batches += list(dm.train_dataloader())
-        fetched.append([path for path, _ in proxy.requests])
+        fetched.append([f"{path}#{bounds}" if ranges else path for path, bounds in proxy.requests])
     return batches, *fetched
 
 
@@ -215,3 +216,84 @@ def test_video_clips_are_cached_by_their_next_use_as_images_are(
     fetches, _ = simulate(order, sizes, budget, "belady")
     assert [p for p in fetched[0] + fetched[1] if p in sizes] == [p for p, f in zip(order, fetches, strict=True) if f]
     assert sum(fetches) < len(order)  # the second epoch found clips in the cache
+
+
+def test_webdataset_samples_in_a_bucket_are_cached_as_ranges_by_their_next_use(
+    tmp_path: Path, endpoint: str, by_url: tuple[Path, str, dict[str, int]]
+) -> None:  # by_url: the bucket
+    """Tar shards in a bucket: each sample's range of its shard is an item; two epochs at half the
+    budget fetch the ranges Belady's rule computes for the order the server saw, batches as uncached."""
+    from tests.vision.webdataset_data import shards_of_folder
+
+    pytest.importorskip("webdataset")
+    _, tokenizer, _ = by_url
+    pattern = shards_of_folder(image_folder(tmp_path / "images", 16, prompts=False), tmp_path / "shards", 4)
+    s3fs.S3FileSystem(**storage_options(endpoint)).put(str(tmp_path / "shards"), f"{BUCKET}/wds", recursive=True)
+    url = f"s3://{BUCKET}/wds/{Path(pattern).name}"
+    proxy = S3Proxy(endpoint)
+    try:
+        common = {**OPTIONS, "tokenizer": tokenizer, "data_files": url, "image_field": "png;jpg", "text_field": "txt"}
+        common |= {"batch_size": 1, "storage_options": storage_options(proxy.url)}  # a request a sample
+        common["load_kwargs"] = {"cache_dir": str(tmp_path / "index")}  # indexed once, before the counts
+        want, first, second = epochs_fetched(ImageTextDataModule("webdataset", **common), proxy, ranges=True)
+        order = first + second  # an item a request: a sample's range of its shard
+        sizes = {item: 1 + int(item.split("-")[-1]) - int(item.split("=")[-1].split("-")[0]) for item in order}
+        budget = sum(sizes.values()) // 2
+        cache = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": budget}
+        got, *fetched = epochs_fetched(ImageTextDataModule("webdataset", **common, **cache), proxy, ranges=True)
+    finally:
+        proxy.close()
+    same_batches(want, got)
+    fetches, kept_out = simulate(order, sizes, budget, "belady")
+    assert fetched[0] + fetched[1] == [item for item, fetch in zip(order, fetches, strict=True) if fetch]
+    assert sum(fetches) < len(order) and kept_out
+
+
+def test_token_windows_of_shards_in_a_bucket_are_cached_by_their_next_use(
+    tmp_path: Path, endpoint: str, by_url: tuple[Path, str, dict[str, int]]
+) -> None:  # by_url: the bucket
+    """Each window's piece of a shard is an item (a window across two shards is two): two epochs at
+    half the budget fetch the pieces Belady's rule computes for the order trained, batches as uncached."""
+    seq_len, shard_tokens, width = 16, 200, 17
+    make_token_shards(tmp_path / "shards", 640, shard_tokens=shard_tokens)
+    s3fs.S3FileSystem(**storage_options(endpoint)).put(str(tmp_path / "shards"), f"{BUCKET}/tokens", recursive=True)
+    shards = sorted(p.name for p in (tmp_path / "shards").iterdir() if p.name.startswith("shard_"))
+    header = (tmp_path / "shards" / shards[0]).stat().st_size - 4 * shard_tokens  # .npy: uint32 after a header
+    proxy = S3Proxy(endpoint)
+    try:
+        common = {"seq_len": seq_len, "batch_size": 4, "storage_options": storage_options(proxy.url), "seed": 1}
+        url = f"s3://{BUCKET}/tokens"
+        want, *_ = epochs_fetched(TokenShardDataModule(url, **common), proxy, ranges=True)
+
+        def pieces(start: int) -> list[tuple[str, int, int]]:  # (shard, first byte, end byte) of a window
+            out, t = [], start
+            while t < start + width:
+                shard, local = divmod(t, shard_tokens)
+                take = min(start + width - t, shard_tokens - local)
+                out.append((f"/{BUCKET}/tokens/{shards[shard]}", header + 4 * local, header + 4 * (local + take)))
+                t += take
+            return out
+
+        order = [piece for batch in want for start in batch["input_ids"][:, 0].tolist() for piece in pieces(start)]
+        sizes = {piece: piece[2] - piece[1] for piece in order}
+        budget = sum(sizes.values()) // 2
+        cache = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": budget}
+        got, *fetched = epochs_fetched(TokenShardDataModule(url, **common, **cache), proxy, ranges=True)
+    finally:
+        proxy.close()
+    same_batches(want, got)
+    assert any(len(pieces(start)) == 2 for start in range(0, 640 - width, seq_len))  # windows across shards
+
+    def covered(requests: list[str]) -> set[tuple[str, int, int]]:  # the pieces each (merged) request holds
+        out = set()
+        for request in requests:
+            path, bounds = request.split("#bytes=")
+            first, last = map(int, bounds.split("-"))
+            out |= {p for p in sizes if p[0] == path and first <= p[1] and p[2] - 1 <= last}
+        return out
+
+    fetches, kept_out = simulate(order, sizes, budget, "belady")
+    half = len(order) // 2
+    assert covered(fetched[0]) == set(order[:half])
+    assert covered(fetched[1]) == {p for p, f in zip(order[half:], fetches[half:], strict=True) if f}
+    assert 0 < sum(fetches[half:]) < half and kept_out
