@@ -102,13 +102,14 @@ class PlanDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def sample_indices(self, positions: np.ndarray) -> np.ndarray:
-        """The sample (in the joined source) at each of ``positions``; -1 for a stream's rows."""
-        sources, indices, _ = self.plan.locate_in_passes(positions)
+    def sample_indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sample (in the joined source; -1 for a stream's rows) at each of ``positions``, and the
+        passes over its source before it."""
+        sources, indices, passes = self.plan.locate_in_passes(positions)
         indices += self._offsets[sources]
         if self.streams:
             indices[np.isin(sources, list(self.streams))] = -1
-        return indices
+        return indices, passes
 
     def _indices(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Sample indices (in the joined source), passes and plan sources of positions ``[first, stop)``."""

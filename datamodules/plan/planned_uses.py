@@ -23,9 +23,11 @@ class PlannedUses:
     """The next use, by this node, of each file the plan's samples read.
 
     Args:
-        sample_indices: the samples (indices into the source) at an array of plan positions.
-        file_keys: the key of the file (``url_key``) or range (``range_key``) each sample index
-            reads (0: none); a 2-D array for samples that read several (rows padded with 0).
+        sample_indices: the samples (indices into the source) at an array of plan positions, and the
+            passes over their sources before them.
+        file_keys: given samples and their passes (packed rows change every pass), the key of the
+            file (``url_key``) or range (``range_key``) each reads (0: none); a 2-D array for samples
+            that read several (rows padded with 0).
         anchor: the position where this run's grid of global micro-batches starts.
         batch_size: samples per data-parallel rank per micro-batch.
         dp_size: data-parallel ranks.
@@ -36,8 +38,8 @@ class PlannedUses:
 
     def __init__(
         self,
-        sample_indices: Callable[[np.ndarray], np.ndarray],
-        file_keys: Callable[[np.ndarray], np.ndarray],
+        sample_indices: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+        file_keys: Callable[[np.ndarray, np.ndarray], np.ndarray],
         anchor: int,
         batch_size: int,
         dp_size: int,
@@ -85,8 +87,8 @@ class PlannedUses:
 
     def _look_ahead(self, position: int) -> None:
         positions = self.node_positions(position, self.horizon)
-        samples, where = np.unique(self.sample_indices(positions), return_inverse=True)
-        keys = self.file_keys(samples).astype(np.uint64)[where]  # a sample's files, asked once
+        samples, where = np.unique(np.stack(self.sample_indices(positions), axis=1), axis=0, return_inverse=True)
+        keys = self.file_keys(samples[:, 0], samples[:, 1]).astype(np.uint64)[where.ravel()]  # asked once a sample
         if keys.ndim == 2:  # several reads a sample (a window across two shards): one use each
             positions, keys = np.repeat(positions, keys.shape[1]), keys.ravel()
         reads = keys != 0

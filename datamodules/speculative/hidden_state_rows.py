@@ -21,6 +21,9 @@ from datamodules.plan.stopping import STOP
 from datamodules.speculative.generation_client import CircuitBreaker
 from datamodules.speculative.hidden_states_store import StoredBytes
 from datamodules.speculative.state_fetcher import Outcome, StateFetcher
+from datamodules.storage.locations import is_url
+from datamodules.storage.planned_reads import PlannedReads
+from datamodules.storage.remote_files import LOCAL_FILES, url_key
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ Batch = dict[str, torch.Tensor]
 TOKEN_KEYS = ("input_ids", "loss_mask", "position_ids")
 
 
-class HiddenStateRows(ConversationRows):
+class HiddenStateRows(ConversationRows, PlannedReads):
     """Rows ``[first, stop)`` of a tokenized dataset, packed by multipack, with hidden states from ``fetcher``.
 
     A row gives ``input_ids``, ``loss_mask``, ``position_ids`` (restarting in every conversation),
@@ -113,13 +116,38 @@ class HiddenStateRows(ConversationRows):
         self.bad_samples = BadSampleLog("hidden states of %s missing or invalid (%s): not trained on")
         self.breaker = CircuitBreaker(max_failures)
         self.buffers = RecycledBuffers()
+        self.files = getattr(self.store, "files", LOCAL_FILES)
+        self._start_planning()
+
+    @property
+    def plans_file_reads(self) -> bool:
+        """Whether the states' files, in a bucket, go through a cache that evicts by the plan's next use."""
+        return self.files.plans_ahead and is_url(getattr(self.store, "directory", ""))
+
+    @property
+    def uses_positions(self) -> bool:  # where each row is read, for a cache planned by the plan
+        return self.plans_file_reads
+
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        """The ``url_key`` of each of a row's conversations' state files (``[rows, most in a row]``, 0
+        past a row's last): a row packs other conversations every pass."""
+        packed = self.mapped()
+        passes = np.zeros(len(indices), dtype=np.int64) if passes is None else passes
+        rows = [packed.row(p, i).tolist() for i, p in zip(np.asarray(indices).tolist(), passes.tolist(), strict=True)]
+        keys = np.zeros((len(rows), max(map(len, rows), default=0)), dtype=np.uint64)
+        for r, conversations in enumerate(rows):
+            keys[r, : len(conversations)] = [url_key(self.store.path(self.first + c)) for c in conversations]
+        return keys
 
     @classmethod
     def join(cls, parts: list[HiddenStateRows]) -> HiddenStateRows:
         raise ValueError("hidden-state rows are packed per source and cannot be mixed with other sources")
 
-    def fetch(self, indices: np.ndarray, keys: np.ndarray, passes: np.ndarray) -> dict[str, Any]:
-        return self.fetch_many([(indices, {"keys": keys, "passes": passes})])[0]
+    def fetch(
+        self, indices: np.ndarray, keys: np.ndarray, passes: np.ndarray, positions: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        extra = {"keys": keys, "passes": passes} | ({} if positions is None else {"positions": positions})
+        return self.fetch_many([(indices, extra)])[0]
 
     def fetch_many(self, calls: list[tuple[np.ndarray, dict[str, np.ndarray]]]) -> list[dict[str, Any]]:
         """``fetch`` of several spans at once: their conversations' states are fetched together,
@@ -133,12 +161,26 @@ class HiddenStateRows(ConversationRows):
             for indices, extra in calls
         ]
         wanted = [self.first + c for span in rows for row in span for c in row]
+        # Where the plan reads each conversation (its row's position), for a cache planned by it.
+        at = None
+        if all("positions" in extra for _, extra in calls):
+            spans = zip(rows, calls, strict=True)
+            at = [
+                (self.planned_uses, p)
+                for span, (_, extra) in spans
+                for row, p in zip(span, extra["positions"].tolist(), strict=True)
+                for _ in row
+            ]
         tokens = self.conversations(wanted)
         ids = [torch.tensor(tokens[row]["input_ids"], dtype=torch.int64) for row in wanted]
-        outcomes = dict(zip(wanted, self.fetcher.fetch_all(wanted, ids), strict=True))
-        return [
+        counts: dict[str, Any] = {}
+        with self.count_cache(counts):
+            outcomes = dict(zip(wanted, self.fetcher.fetch_all(wanted, ids, at), strict=True))
+        raws = [
             self._assemble(span, extra["keys"], tokens, outcomes) for span, (_, extra) in zip(rows, calls, strict=True)
         ]
+        raws[0].update(counts)  # the message's counts ride on its first batch
+        return raws
 
     def _usable(self, row: int, outcome: Outcome, skipped: list[tuple[str, str]]) -> bool:
         if outcome.states is not None:
@@ -207,6 +249,7 @@ class HiddenStateRows(ConversationRows):
 
     def to_batch(self, raw: dict[str, Any]) -> Batch:
         self.bad_samples.record(raw["skipped"])
+        self.add_cache_counts(raw)
         release_returned()  # the buffers of batches let go of go back to their workers
         batch = {key: value for key, value in raw.items() if key not in ("skipped", "generated", "valid", "ticket")}
         batch = self.preprocess(batch) if self.preprocess is not None else batch

@@ -93,8 +93,12 @@ class HiddenStatesDataModule(PlanDataModule):
         store: the hidden-states backend, a key of ``STORES`` (default ``"files"``).
         storage_options: for a ``data_dir`` or ``hidden_states_dir`` that is a URL (``s3://``, ``gs://``,
             ...), the fsspec filesystem's options (endpoint, credentials, ``anon``); kept out of checkpoints.
-        file_cache_dir, file_cache_bytes: a node-local folder keeping hidden-state files read by URL,
-            and the most bytes it holds (least recently used evicted first); default: no cache.
+        file_cache_dir, file_cache_bytes: a node-local folder keeping hidden-state files read by URL
+            (each by its URL and version: a changed object is fetched again), shared by the node's ranks
+            and workers, and the most bytes it holds; default: no cache.
+        file_cache_policy: which files leave the cache when it is full: ``"planned"`` (default), the one
+            the node's ranks read furthest ahead in the plan (a file read later than all of those is not
+            kept: Belady's rule); ``"lru"``, the least recently used.
         worker_start_method: how DataLoader workers start: ``"spawn"``, ``"fork"`` or ``"forkserver"``;
             default ``None``: spawn when this process has initialised CUDA or holds a client of the
             generation server (threads and connections a fork could deadlock on), else fork, which
@@ -130,6 +134,7 @@ class HiddenStatesDataModule(PlanDataModule):
         storage_options: dict[str, Any] | None = None,
         file_cache_dir: str | None = None,
         file_cache_bytes: int | None = None,
+        file_cache_policy: str = "planned",
         worker_start_method: str | None = None,
         seed: int = 0,
         num_workers: int = 0,
@@ -158,7 +163,7 @@ class HiddenStatesDataModule(PlanDataModule):
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
         self.hidden_states_dir = str(hidden_states_dir or f"{self.data_dir.rstrip('/')}/hidden_states")
         self.storage_options = storage_options
-        self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes, "lru")
+        self.files = RemoteFiles(storage_options, file_cache_dir, file_cache_bytes, file_cache_policy)
         self.train_ratio = require_ratio(train_ratio)
         if isinstance(test_ratio, bool) or not isinstance(test_ratio, int | float) or not 0 <= test_ratio < 1:
             raise ValueError(f"test_ratio must be a number in [0, 1), got {test_ratio!r}")

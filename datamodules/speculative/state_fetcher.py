@@ -65,15 +65,24 @@ class StateFetcher:
     def check(self, states: States, input_ids: torch.Tensor) -> str | None:
         return check_states(states, input_ids, self.layers, self.hidden_size)
 
-    def fetch_all(self, rows: list[int], input_ids: list[torch.Tensor]) -> list[Outcome]:
-        """Outcomes of ``rows``, in their order."""
+    def fetch_all(self, rows: list[int], input_ids: list[torch.Tensor], at: list[Any] | None = None) -> list[Outcome]:
+        """Outcomes of ``rows``, in their order; ``at``: for each, the plan's next uses of the files and
+        the position reading it (a file cache planned by the plan ranks the file by them)."""
+        at = at or [None] * len(rows)
         if self.threads == 1 or len(rows) < 2:
-            return [self.fetch(row, ids) for row, ids in zip(rows, input_ids, strict=True)]
+            return [self.fetch(row, ids, where) for row, ids, where in zip(rows, input_ids, at, strict=True)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hidden-states")
-        return list(self._pool.map(self.fetch, rows, input_ids))
+        return list(self._pool.map(self.fetch, rows, input_ids, at))
 
-    def fetch(self, row: int, input_ids: torch.Tensor) -> Outcome:
+    def fetch(self, row: int, input_ids: torch.Tensor, at: Any = None) -> Outcome:
+        files = getattr(self.store, "files", None)
+        if at is None or files is None:
+            return self._fetch(row, input_ids)
+        with files.reading_at(*at):
+            return self._fetch(row, input_ids)
+
+    def _fetch(self, row: int, input_ids: torch.Tensor) -> Outcome:
         try:
             # The version is taken before the read: a file replaced in between is checked again next time.
             version = self.store.version(row)

@@ -85,12 +85,13 @@ class FileCache:
         self.budget = budget
         self.stats = CacheStats()
         self._local = threading.local()  # this thread's connection to the index, and its process
+        self._counting = threading.Lock()  # threads of a process (a loader's fetch threads) share the counts
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_local": None}  # a connection is per process and thread
+        return {**self.__dict__, "_local": None, "_counting": None}  # a connection is per process and thread
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _local=threading.local())
+        self.__dict__.update(state, _local=threading.local(), _counting=threading.Lock())
 
     def read(self, name: str, fetch: Callable[[], bytes], rank: float, planned: bool) -> bytes:
         """The item ``name``: the cached copy, else ``fetch()``, kept if the rule admits it.
@@ -112,8 +113,13 @@ class FileCache:
         self._connection()  # the folders and the index exist
         data = self._cached(name, rank)
         if data is not None:
-            self.stats.bytes_read += len(data)
+            self._count(hits=1, bytes_read=len(data))
         return data
+
+    def _count(self, **counts: int) -> None:
+        with self._counting:
+            for name, value in counts.items():
+                setattr(self.stats, name, getattr(self.stats, name) + value)
 
     @contextmanager
     def fetching(self, names: list[str]) -> Iterator[None]:
@@ -129,9 +135,7 @@ class FileCache:
 
     def keep(self, name: str, data: bytes, rank: float, planned: bool) -> None:
         """Count ``data`` (just fetched) and keep it as ``name`` if the rule admits it."""
-        self.stats.misses += 1
-        self.stats.bytes_fetched += len(data)
-        self.stats.bytes_read += len(data)
+        self._count(misses=1, bytes_fetched=len(data), bytes_read=len(data))
         self._admit(name, data, rank, planned)
 
     def _cached(self, name: str, rank: float) -> bytes | None:
@@ -145,12 +149,11 @@ class FileCache:
                 # On disk but not in the index (a process died between the rename and the commit).
                 db.execute("INSERT INTO items VALUES (?, ?, ?)", (name, len(data), rank))
                 db.execute("UPDATE total SET bytes = bytes + ?", (len(data),))
-        self.stats.hits += 1
         return data
 
     def _admit(self, name: str, data: bytes, rank: float, planned: bool) -> None:
         if len(data) > self.budget:
-            self.stats.not_kept += 1
+            self._count(not_kept=1)
             return
         partial = self.folder / "partial" / uuid.uuid4().hex
         partial.write_bytes(data)
@@ -166,7 +169,7 @@ class FileCache:
                     furthest_first = db.execute("SELECT name, size, rank FROM items ORDER BY rank DESC")
                     for victim, size, victim_rank in furthest_first:
                         if planned and victim_rank <= rank:  # this item is needed last of all: not kept
-                            self.stats.not_kept += 1
+                            self._count(not_kept=1)
                             return
                         victims.append(victim)
                         room += size
@@ -179,7 +182,7 @@ class FileCache:
                 db.execute("INSERT INTO items VALUES (?, ?, ?)", (name, len(data), rank))
                 db.execute("UPDATE total SET bytes = ?", (self.budget - room + len(data),))
                 os.replace(partial, self.folder / "items" / name)
-                self.stats.evictions += len(victims)
+                self._count(evictions=len(victims))
         finally:
             with contextlib.suppress(FileNotFoundError):
                 partial.unlink()

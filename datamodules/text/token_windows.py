@@ -116,8 +116,8 @@ class TokenWindows(PlannedReads):
         """Whether the windows' ranges go through a cache that evicts by the plan's next use."""
         return self.shards.remote and self.files.plans_ahead
 
-    def file_keys(self, indices: np.ndarray) -> np.ndarray:
-        """The ``range_key`` of each window's pieces in the shards (``[windows, 2]``)."""
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        """The ``range_key`` of each window's pieces in the shards (``[windows, 2]``), whatever the pass."""
         return self.shards.window_keys(self._window_starts(indices), self.seq_len + 1)
 
     def fetch(self, indices: np.ndarray, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -66,7 +66,7 @@ class JoinedSamples:
         lines = {getattr(part, "file_cache_summary", None) for part in self.parts} - {None}
         return "\n".join(sorted(lines)) or None
 
-    def file_keys(self, indices: np.ndarray) -> np.ndarray:
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
         keys = np.zeros(len(indices), dtype=np.uint64)
         for part, at, within in self._by_part(indices):
             if getattr(self.parts[part], "plans_file_reads", False):

@@ -30,8 +30,8 @@ class PlannedFiles(PlannedReads):
         own ``file_keys``) go through a cache that evicts by the plan's next use."""
         return self.files.plans_ahead and any(hasattr(self.dataset, a) for a in ("select_columns", "file_keys"))
 
-    def file_keys(self, indices: np.ndarray) -> np.ndarray:
-        """The ``url_key`` of the remote file each sample reads (0: none)."""
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        """The ``url_key`` of the remote file each sample reads (0: none), whatever the pass."""
         rows = self.split.rows(np.asarray(indices, dtype=np.int64))
         if hasattr(self.dataset, "file_keys"):
             return self.dataset.file_keys(rows)

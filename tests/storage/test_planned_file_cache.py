@@ -17,7 +17,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.object_store.server import S3Proxy, create_bucket, storage_options
-from datamodules import ImageTextDataModule, TokenShardDataModule, VideoDataModule
+from datamodules import HiddenStatesDataModule, ImageTextDataModule, TokenShardDataModule, VideoDataModule
 from tests.distributed_support import train_record
 from tests.support import RecordingModel, logged_rows, make_token_shards, quiet_trainer
 from tests.vision.image_data import image_folder, tokenizer_for
@@ -112,7 +112,8 @@ def fetched_bytes(paths: list[str], sizes: dict[str, int]) -> int:
 def same_batches(want: list[dict], got: list[dict]) -> None:
     assert len(want) == len(got) > 0
     for a, b in zip(want, got, strict=True):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 def test_two_epochs_over_twice_the_budget_fetch_what_beladys_rule_computes_and_less_than_lru(
@@ -297,3 +298,32 @@ def test_token_windows_of_shards_in_a_bucket_are_cached_by_their_next_use(
     assert covered(fetched[0]) == set(order[:half])
     assert covered(fetched[1]) == {p for p, f in zip(order[half:], fetches[half:], strict=True) if f}
     assert 0 < sum(fetches[half:]) < half and kept_out
+
+
+def test_hidden_state_files_are_cached_by_their_next_use(
+    tmp_path: Path, endpoint: str, by_url: tuple[Path, str, dict[str, int]]
+) -> None:  # by_url: the bucket
+    """Packed rows of conversations read each conversation's states file: two epochs (the rows packed
+    afresh) at half the budget fetch the files Belady's rule computes for the order the server saw."""
+    from tests.speculative.speculative_data import speculative_dataset
+
+    data_dir = speculative_dataset(tmp_path, 24)
+    s3fs.S3FileSystem(**storage_options(endpoint)).put(str(data_dir), f"{BUCKET}/speculative", recursive=True)
+    folder = data_dir / "hidden_states"
+    sizes = {f"/{BUCKET}/speculative/hidden_states/{p.name}": p.stat().st_size for p in folder.iterdir()}
+    proxy = S3Proxy(endpoint)
+    try:
+        common = {"total_seq_len": 64, "storage_options": storage_options(proxy.url)}
+        url = f"s3://{BUCKET}/speculative"
+        want, first, second = epochs_fetched(HiddenStatesDataModule(url, **common), proxy)
+        order = [path for path in first + second if path in sizes]
+        budget = sum(sizes.values()) // 2
+        cache = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": budget}
+        got, *fetched = epochs_fetched(HiddenStatesDataModule(url, **common, **cache), proxy)
+    finally:
+        proxy.close()
+    same_batches(want, got)
+    assert len(order) > len(set(order))  # files read in both epochs
+    fetches, kept_out = simulate(order, sizes, budget, "belady")
+    assert [p for p in fetched[0] + fetched[1] if p in sizes] == [p for p, f in zip(order, fetches, strict=True) if f]
+    assert sum(fetches) < len(order) and kept_out
