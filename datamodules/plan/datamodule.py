@@ -777,7 +777,7 @@ class PlanDataModule(LightningDataModule):
         """Every rank's trained spans (a collective: each rank trained other spans, and only rank 0
         writes the checkpoint): the position all ranks have trained up to and the spans past it."""
         local = {self.dp_rank: (self._trained.prefix, sorted(self._trained.ahead))}
-        position, spans = self._trained.saved(gathered(local))
+        position, spans = self._trained.saved(gathered(local, everywhere=True))  # a few numbers a rank
         if not any(spans):
             return {"positions_consumed": position}
         layout = {"ranks": self.dp_size, "batch_size": self.batch_size, "spans": spans}

@@ -186,16 +186,24 @@ class StreamLoader(DataLoader):
         pass
 
 
-def gathered(local: dict[int, Any], reads: bool = True) -> dict[int, Any]:
-    """Every rank's part (reader states, or anything keyed by reader or data-parallel rank), on every
-    rank (a collective when a process group runs). A rank that does not read (a ``broadcast_within``
-    peer, whose group's first rank reads for it) gives nothing, so its stale copy never wins."""
+def gathered(local: dict[int, Any], reads: bool = True, everywhere: bool = False) -> dict[int, Any]:
+    """Every rank's part (reader states, or anything keyed by reader or data-parallel rank), on global
+    rank 0, which alone writes a checkpoint (a collective when a process group runs); the other ranks
+    get their own part back and receive nothing, so what a checkpoint costs them does not grow with the
+    rank count (``everywhere``: on every rank, for parts of a few numbers a rank). A rank that does not
+    read (a ``broadcast_within`` peer, whose group's first rank reads for it) gives nothing, so its
+    stale copy never wins."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(local)
-    parts: list[dict[int, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local if reads else {})
+    mine = local if reads else {}
+    root = everywhere or dist.get_rank() == 0
+    parts: list[dict[int, Any] | None] | None = [None] * dist.get_world_size() if root else None
+    if everywhere:
+        dist.all_gather_object(parts, mine)
+    else:
+        dist.gather_object(mine, parts, dst=0)
     merged: dict[int, Any] = {}
-    for part in parts:
+    for part in parts if root else [mine]:
         merged.update(part or {})
     return merged
 
