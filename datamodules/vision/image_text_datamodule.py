@@ -22,12 +22,16 @@ class ImageTextDataModule(PlanDataModule):
     ``-100`` on prompt, image placeholders and padding), ``attention_mask``: ``[B, max_text_len]``;
     ``image_positions`` ``[B, num_image_tokens]``: where the image's embeddings go. Images are
     decoded in the DataLoader's workers. Order, exact O(1) and elastic resume are the plan's.
+    Interleaved documents (``layout="obelics"`` or ``"mmc4"``): a row a document, ``pixel_values``
+    ``[N, 3, H, W]`` for the batch's images in order and ``image_sample_index`` ``[N]``, labels on
+    text tokens only.
 
     Args:
         path, tokenizer, processor, name, split, data_files, image_field, text_field, prompt_field,
             prompt, image_size, resize_mode, mean, std, transform, num_image_tokens, image_token,
             add_bos, val_split, val_fraction, on_bad_sample, load_kwargs, storage_options, file_cache_dir,
-            file_cache_bytes, file_cache_policy, test_split, test_fraction: see ``ImageTextSource``;
+            file_cache_bytes, file_cache_policy, test_split, test_fraction, layout, max_images, separator,
+            loss_before_first_image: see ``ImageTextSource``;
             ``storage_options`` are kept out of checkpoints.
         max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding).
         batch_size: samples per data-parallel rank per micro-batch.
@@ -79,6 +83,10 @@ class ImageTextDataModule(PlanDataModule):
         broadcast_within: str | list[str] | None = None,
         test_split: str | None = None,
         test_fraction: float = 0.0,
+        layout: str = "pairs",
+        max_images: int = 16,
+        separator: str = "\n\n",
+        loss_before_first_image: bool = True,
     ) -> None:
         super().__init__(
             batch_size,
@@ -119,6 +127,10 @@ class ImageTextDataModule(PlanDataModule):
             file_cache_policy=file_cache_policy,
             test_split=test_split,
             test_fraction=test_fraction,
+            layout=layout,
+            max_images=max_images,
+            separator=separator,
+            loss_before_first_image=loss_before_first_image,
         )
         self.save_hyperparameters(ignore=["transform", "storage_options"])  # credentials stay out of checkpoints
 

@@ -19,6 +19,8 @@ from datamodules.storage.remote_files import RemoteFiles
 from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
+from datamodules.vision.interleaved_samples import InterleavedSamples
+from datamodules.vision.interleaved_text import LAYOUTS, InterleavedText
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
 from datamodules.vision.vlm_processor import ProcessorInputs
 from datamodules.vision.webdataset_rows import WEBDATASET, WebDatasetRows, indexed_shards, split_shards
@@ -86,6 +88,20 @@ class ImageTextSource(SourceSpec):
             the one the node's ranks read furthest ahead in the plan (an image read later than all of
             those is not kept: Belady's rule, the fewest fetches for a known order); ``"lru"``, the
             least recently used.
+        layout: ``"pairs"`` (default): a row is one image and its text. ``"obelics"``: a row is an
+            interleaved document, ``text_field`` and ``image_field`` lists of one length with a text
+            or an image at each position; ``"mmc4"``: ``text_field`` a list of sentences and
+            ``image_field`` a list of dicts, each an image (``image``, ``path`` or ``url``) and the
+            ``matched_text_index`` of the sentence it goes before. A document becomes one row: its
+            texts in order (``separator`` between two), each image its run of placeholders
+            (``image_token``, needed; ``num_image_tokens`` of them, or the processor's); batches then
+            carry ``pixel_values`` ``[N, 3, H, W]`` for the batch's ``N`` images, in order, and
+            ``image_sample_index`` ``[N]``, the row of each.
+        max_images: with an interleaved layout, the most images a document may hold (more is a bad
+            sample); documents cut at ``max_text_len`` keep their first images whose placeholders fit.
+        separator: with an interleaved layout, the text between two adjacent texts.
+        loss_before_first_image: with an interleaved layout, whether the text before a document's
+            first image takes loss (default: yes).
     """
 
     path: str
@@ -116,9 +132,21 @@ class ImageTextSource(SourceSpec):
     file_cache_policy: str = "planned"
     test_split: str | None = None
     test_fraction: float = 0.0
+    layout: str = "pairs"
+    max_images: int = 16
+    separator: str = "\n\n"
+    loss_before_first_image: bool = True
 
     def __post_init__(self) -> None:
         self.path = str(self.path)
+        if self.layout not in ("pairs", *LAYOUTS):
+            raise ValueError(f"layout must be one of {('pairs', *LAYOUTS)}, got {self.layout!r}")
+        require_int("max_images", self.max_images, 1)
+        if self.layout != "pairs":
+            if self.prompt_field is not None or self.prompt:
+                raise ValueError(f"layout={self.layout!r} has no prompt: prompt and prompt_field are for pairs")
+            if self.processor is None and self.image_token is None:
+                raise ValueError(f"layout={self.layout!r} needs image_token: the token each image's placeholders are")
         self.files = RemoteFiles(
             self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy
         )
@@ -201,8 +229,11 @@ class ImageTextSource(SourceSpec):
             raise ValueError(f"{self.path} split {split!r} has no rows")
         columns = [c for c in (self.image_field, self.text_field, self.prompt_field) if c is not None]
         dataset = dataset.select_columns(columns)
-        if isinstance(dataset.features[self.image_field], datasets.Image):
+        feature = dataset.features[self.image_field]
+        if isinstance(feature, datasets.Image):
             dataset = dataset.cast_column(self.image_field, datasets.Image(decode=False))
+        elif isinstance(getattr(feature, "feature", None), datasets.Image):  # a document's list of images
+            dataset = dataset.cast_column(self.image_field, datasets.Sequence(datasets.Image(decode=False)))
         return dataset
 
     def _pixels_and_labels(self, max_text_len: int) -> tuple[ImagePixels | ProcessorInputs, PromptAnswerLabels, str]:
@@ -251,9 +282,24 @@ class ImageTextSource(SourceSpec):
             "num_image_tokens": labels.num_image_tokens,
         }
 
-        def samples(dataset: Any, split: RowSplit, split_name: str) -> ImageTextSamples:
+        text = None
+        if self.layout != "pairs":
+            image_token = self.image_token or pixels.image_token  # a processor's, where no image_token is given
+            text = InterleavedText(
+                labels.tokenizer, self.tokenizer or self.processor, seq_len, labels.num_image_tokens, image_token,
+                self.separator, self.loss_before_first_image, self.add_bos,
+            )  # fmt: skip
+            options.update(layout=self.layout, max_images=self.max_images, separator=self.separator)
+            options.update(loss_before_first_image=self.loss_before_first_image)
+
+        def samples(dataset: Any, split: RowSplit, split_name: str) -> ImageTextSamples | InterleavedSamples:
             details = {**options, "data": dataset._fingerprint, "split": split_name, "rows": [split.first, len(split)]}
             where = f"{self.path}:{split_name}"
+            if text is not None:
+                return InterleavedSamples(
+                    dataset, split, self.layout, self.text_field, self.image_field, pixels, text, self.max_images,
+                    self.on_bad_sample, where, details, self.files,
+                )  # fmt: skip
             return ImageTextSamples(
                 dataset, split, fields, pixels, labels, self.on_bad_sample, where, details, self.files
             )

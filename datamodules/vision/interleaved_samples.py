@@ -1,0 +1,160 @@
+"""``InterleavedSamples``: interleaved documents (several images inside their text) as a plan source,
+one document a row: decoded and tokenized in ``fetch`` (in the DataLoader's workers), turned into
+tensors in ``to_batch``."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.held_out import RowSplit
+from datamodules.storage.locations import is_url
+from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, url_key
+from datamodules.vision.bad_samples import sample_or_replacement
+from datamodules.vision.images import ImagePixels, read_image
+from datamodules.vision.interleaved_text import DOCUMENT_PARTS, InterleavedText
+from datamodules.vision.planned_files import PlannedFiles
+from datamodules.vision.vlm_processor import ProcessorInputs
+
+
+def image_reference(value: Any) -> tuple[bytes | None, str | None]:
+    """``(bytes, path)`` of an image value: ``datasets``' undecoded ``Image`` dict, bytes, or a path/URL."""
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value), None
+    if isinstance(value, str):
+        return None, value
+    raise BadSample(f"an image is a {type(value).__name__}, not bytes or a path")
+
+
+class InterleavedSamples(PlannedFiles):
+    """Interleaved documents of ``dataset`` rows chosen by ``split``, for the sample plan.
+
+    ``fetch`` reads each row's parts in order (``layout``: ``"obelics"`` or ``"mmc4"``), decodes its
+    images (at most ``max_images`` a document; more is a ``BadSample``) and tokenizes its text with
+    every image's placeholders in place (``InterleavedText``). A bad document (an image that does not
+    decode, an image index out of range, a malformed row) raises naming it, or (``on_bad_sample=
+    "skip"``) is replaced by a stand-in drawn from its own index, counted.
+    """
+
+    batches_per_message = 1
+    uses_sample_keys = True
+
+    def __init__(
+        self,
+        dataset: Any,
+        split: RowSplit,
+        layout: str,
+        texts_field: str,
+        images_field: str,
+        pixels: ImagePixels | ProcessorInputs,
+        text: InterleavedText,
+        max_images: int,
+        on_bad_sample: str,
+        name: str,
+        details: dict[str, Any],
+        files: RemoteFiles = LOCAL_FILES,
+    ) -> None:
+        self.dataset, self.split, self.layout = dataset, split, layout
+        self.parts_of = DOCUMENT_PARTS[layout]
+        self.texts_field, self.images_field, self.file_column = texts_field, images_field, images_field
+        self.pixels, self.text, self.max_images = pixels, text, max_images
+        self.on_bad_sample, self.name, self.details = on_bad_sample, name, details
+        self.files = files
+        self.fingerprint = f"interleaved:{sorted(details.items())}"
+        self.vocabulary = details["tokenizer"]
+        self.bad_samples = BadSampleLog()
+        self._start_planning()
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    @classmethod
+    def join(cls, parts: list[InterleavedSamples]) -> InterleavedSamples:
+        raise ValueError("interleaved documents are one source a DataModule: they are not mixed yet")
+
+    @property
+    def pixel_shape(self) -> tuple[int, ...]:
+        return self.pixels.pixel_shape if isinstance(self.pixels, ProcessorInputs) else self.pixels.shape
+
+    def describe(self, index: int) -> str:
+        return f"{self.name} row {int(self.split.rows(np.array([index]))[0])}"
+
+    def _row(self, index: int) -> tuple[list[str | None], list[Any]]:
+        row = self.dataset[int(self.split.rows(np.array([index]))[0])]
+        return self.parts_of(row[self.texts_field], row[self.images_field])
+
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        """The ``url_key`` of each document's images read by URL (``[documents, max_images]``)."""
+        keys = np.zeros((len(indices), self.max_images), dtype=np.uint64)
+        for r, index in enumerate(np.asarray(indices).tolist()):
+            try:
+                _, images = self._row(index)
+            except BadSample:
+                continue  # a bad row reads a stand-in: not planned
+            for i, value in enumerate(images[: self.max_images]):
+                try:
+                    data, path = image_reference(value)
+                except BadSample:
+                    continue
+                keys[r, i] = url_key(path) if data is None and path is not None and is_url(path) else 0
+        return keys
+
+    def _read(self, index: int, key: int) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        parts, images = self._row(index)
+        if len(images) > self.max_images:
+            raise BadSample(f"it holds {len(images)} images, more than max_images={self.max_images}")
+        arrays, kept = self.text.encode(parts)
+        pixels = []
+        for value in images[:kept]:
+            image = read_image(*image_reference(value), files=self.files)
+            pixels.append(self.pixels.pixels(image) if isinstance(self.pixels, ProcessorInputs) else self.pixels(image))
+        return pixels, arrays
+
+    def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
+        if positions is None:
+            positions = np.zeros(len(indices), dtype=np.int64)
+        skipped: list[tuple[str, str]] = []
+        counts: dict[str, Any] = {}
+        try:
+            with self.count_cache(counts):
+                reads = zip(*(np.asarray(a).tolist() for a in (indices, keys, positions)), strict=True)
+                documents = [self._document(i, key, position, skipped) for i, key, position in reads]
+        except BadSample as err:  # raised in the main process by to_batch, as one message
+            return {"error": str(err)}
+        raw = {key: np.stack([arrays[key] for _, arrays in documents]) for key in documents[0][1]}
+        pixels = [p for images, _ in documents for p in images]
+        raw["pixels"] = np.stack(pixels) if pixels else np.zeros((0, *self.pixel_shape), dtype=np.uint8)
+        raw["image_counts"] = np.array([len(images) for images, _ in documents], dtype=np.int64)
+        return {**raw, **counts, "skipped": skipped}
+
+    def _document(self, index: int, key: int, position: int, skipped: list) -> tuple[list[np.ndarray], dict]:
+        with self.reading(position):
+            return sample_or_replacement(
+                index, len(self), partial(self._read, key=key), self.describe, self.on_bad_sample, skipped
+            )
+
+    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``labels``, ``attention_mask`` ``[B, max_text_len]``; ``pixel_values``
+        ``[N, 3, H, W]``, the batch's images in order (row by row, each row's in document order, as
+        its placeholder runs come); ``image_sample_index`` ``[N]``: the row of each image."""
+        if "error" in raw:
+            raise BadSample(raw["error"])
+        self.bad_samples.record(raw["skipped"])
+        self.add_cache_counts(raw)
+        counts = torch.from_numpy(raw["image_counts"])
+        return {
+            "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
+            "labels": torch.from_numpy(raw["labels"].astype(np.int64)),
+            "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
+            "pixel_values": torch.from_numpy(raw["pixels"]),
+            "image_sample_index": torch.repeat_interleave(torch.arange(len(counts)), counts),
+        }
+
+    def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**batch, "pixel_values": self.pixels.normalize(batch["pixel_values"])}
