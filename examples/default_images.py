@@ -96,11 +96,38 @@ def write_tar_shards(folder: Path, out: Path, shards: int, prefix: str = "") -> 
     return paths
 
 
+def write_shape_documents(images: Path, out: Path, count: int, seed: int = 0) -> Path:
+    """``count`` interleaved documents (OBELICS rows: ``texts`` and ``images`` lists, one set at each
+    position) of 1 to 4 of ``images``' pictures, each followed by its caption, saved with
+    ``save_to_disk``; the pictures are held in the rows (no path to break when the folder moves)."""
+    import datasets
+
+    if (out / "dataset_info.json").exists():
+        return out
+    rows = [json.loads(line) for line in (images / "metadata.jsonl").read_text().splitlines()]
+    rng = random.Random(seed)
+    texts, pictures = [], []
+    for _ in range(count):
+        doc_texts, doc_images = ["a page of shapes:"], [None]
+        for row in rng.sample(rows, rng.randint(1, 4)):
+            doc_texts += [None, row["text"]]
+            doc_images += [{"bytes": (images / row["file_name"]).read_bytes(), "path": None}, None]
+        texts.append(doc_texts)
+        pictures.append(doc_images)
+    features = datasets.Features(
+        {"texts": datasets.Sequence(datasets.Value("string")), "images": datasets.Sequence(datasets.Image())}
+    )
+    datasets.Dataset.from_dict({"texts": texts, "images": pictures}, features=features).save_to_disk(str(out))
+    return out
+
+
 def build_default_images(workdir: Path, count: int = 2000) -> tuple[Path, Path]:
-    """The quickstart's image folder (also as 4 WebDataset tar shards in ``shapes_shards``) and its
-    tokenizer, under ``workdir``."""
+    """The quickstart's image folder (also as 4 WebDataset tar shards in ``shapes_shards``, and as
+    interleaved documents in ``shape_documents``) and its tokenizer, under ``workdir``."""
     images = write_shape_images(workdir / "shapes", count)
     write_tar_shards(images, workdir / "shapes_shards", 4, prefix="shapes-")
+    write_shape_documents(images, workdir / "shape_documents", count // 2)
     rows = [json.loads(line) for line in (images / "metadata.jsonl").read_text().splitlines()]
-    tokenizer = train_caption_tokenizer([f"{r['prompt']} {r['text']}" for r in rows], workdir / "caption_tokenizer")
+    texts = [f"{r['prompt']} {r['text']}" for r in rows] + ["a page of shapes:"]
+    tokenizer = train_caption_tokenizer(texts, workdir / "caption_tokenizer")
     return images, tokenizer

@@ -70,6 +70,47 @@ class TinyVLM(TinyCausalLM):
         return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
 
 
+class TinyInterleavedVLM(TinyVLM):
+    """``TinyVLM`` for interleaved documents: the batch's images (``pixel_values`` ``[N, 3, H, W]``, in
+    order) through the patch encoder, their patches in turn into the placeholders (``input_ids`` equal
+    to ``image_token_id``), row by row, as LLaVA-style models scatter them.
+
+    Args:
+        vocab_size, hidden_size, num_layers, num_heads, max_seq_len, image_size, patch_size,
+            learning_rate: see ``TinyVLM``.
+        image_token_id: the placeholders' id (the DataModule's ``image_token``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        max_seq_len: int = 128,
+        image_size: int = 64,
+        patch_size: int = 16,
+        image_token_id: int = 2,
+        learning_rate: float = 3e-3,
+    ) -> None:
+        super().__init__(
+            vocab_size, hidden_size, num_layers, num_heads, max_seq_len, image_size, patch_size, learning_rate
+        )
+        self.image_token_id = image_token_id
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        embeds = self.model.get_input_embeddings()(batch["input_ids"])
+        placeholders = batch["input_ids"] == self.image_token_id
+        features = self.vision(batch["pixel_values"]).reshape(-1, embeds.shape[-1])
+        if int(placeholders.sum()) != len(features):
+            raise ValueError(
+                f"the batch has {int(placeholders.sum())} placeholders for {len(features)} image patches: set the "
+                "DataModule's num_image_tokens to (image_size // patch_size) ** 2 and image_token_id to its image_token"
+            )
+        embeds = embeds.masked_scatter(placeholders.unsqueeze(-1), features.to(embeds.dtype))
+        return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+
+
 class TinyVideoLM(TinyVLM):
     """``TinyVLM`` for clips: each frame through the patch encoder, its patches averaged to one
     vector, plus a learned frame-position vector; the ``max_frames`` vectors go in at

@@ -43,6 +43,7 @@ def quickstart_inputs() -> None:
 # Text configs train on 16-token sequences here; a vision sample keeps its prompt and placeholders.
 SHORTER = {
     "image_text": [],
+    "interleaved": [],
     "image_text_webdataset": [],
     "video": [],
     "speculative": ["--data.init_args.total_seq_len=256"],
