@@ -110,11 +110,13 @@ class InterleavedSamples(PlannedFiles):
         if len(images) > self.max_images:
             raise BadSample(f"it holds {len(images)} images, more than max_images={self.max_images}")
         arrays, kept = self.text.encode(parts)
-        pixels = []
-        for value in images[:kept]:
-            image = read_image(*image_reference(value), files=self.files)
-            pixels.append(self.pixels.pixels(image) if isinstance(self.pixels, ProcessorInputs) else self.pixels(image))
-        return pixels, arrays
+        if isinstance(self.pixels, ProcessorInputs):  # the processor's pixels, all of the document's at once
+            return self.pixels.pixels_of(
+                [read_image(*image_reference(v), files=self.files) for v in images[:kept]]
+            ), arrays
+        # A JPEG decoded at a reduced DCT scale where the size allows.
+        draft = self.pixels.draft_size
+        return [self.pixels(read_image(*image_reference(v), draft, self.files)) for v in images[:kept]], arrays
 
     def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
         if positions is None:
