@@ -128,7 +128,8 @@ def decoders(image_size: int) -> dict[str, Callable[[str], Any]]:
     resize = ResizeImage(image_size, "crop")
 
     def convert(video_frame: Any) -> np.ndarray:
-        return resize.resize(torch.from_numpy(video_frame.to_ndarray(format="rgb24")).permute(2, 0, 1)).numpy()
+        picture = torch.from_numpy(video_frame.to_ndarray(format="rgb24", threads=1)).permute(2, 0, 1)
+        return resize.resize(picture).numpy()
 
     def timestamps(info: Any) -> np.ndarray:
         return sampler.timestamps(info.duration, info.frame_rate, 0)

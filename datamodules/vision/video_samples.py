@@ -101,7 +101,10 @@ class VideoSamples(PlannedFiles):
         return JoinedSamples(parts)
 
     def _frame(self, frame: Any) -> np.ndarray:
-        picture = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+        # One thread for the colour conversion, as for decoding (``open_clip``): FFmpeg 8's swscale
+        # otherwise runs a pool of slice threads, and a DataLoader worker forked while a thread of its
+        # parent was converting a frame waited forever for its own pool (seen in a test run).
+        picture = torch.from_numpy(frame.to_ndarray(format="rgb24", threads=1)).permute(2, 0, 1)
         return self.resize.resize(picture).numpy()
 
     def _clip(self, row_index: int) -> tuple[dict[str, Any], str, RemoteFiles | ClipBytes]:
