@@ -341,6 +341,16 @@ class ClipBytes:
         return io.BytesIO(self.data)
 
 
+_DECODED_IN: int | None = None  # the process that last opened a clip (``decoded_in_this_process``)
+
+
+def decoded_in_this_process() -> bool:
+    """Whether this process has opened a clip with PyAV. A DataLoader worker forked from it can then
+    hang in FFmpeg (its converters' thread pools and locks do not survive a fork: seen as workers
+    waiting forever in swscale), so its workers start otherwise (``VideoDataModule.spawn_reasons``)."""
+    return _DECODED_IN == os.getpid()
+
+
 def open_clip(path: str, threads: int = 1, files: RemoteFiles | ClipBytes = LOCAL_FILES) -> Any:
     """An open PyAV container of ``path`` (a URL is opened through ``files``: its cached copy, or its
     bytes in memory; with ``ClipBytes``, ``path`` only names the clip), or a ``BadSample`` saying
@@ -356,6 +366,8 @@ def open_clip(path: str, threads: int = 1, files: RemoteFiles | ClipBytes = LOCA
         source.seek(0)
     elif os.path.isfile(path) and os.path.getsize(path) == 0:
         raise BadSample(f"{path} is an empty file (0 bytes)")
+    global _DECODED_IN
+    _DECODED_IN = os.getpid()
     try:
         container = av.open(source, metadata_errors="ignore")
     except (av.FFmpegError, OSError, UnicodeDecodeError) as err:
