@@ -534,6 +534,9 @@ class PlanDataModule(LightningDataModule):
     # How far a planned file cache looks ahead: this node's next positions (``PlannedUses``).
     file_cache_horizon: int = DEFAULT_HORIZON
 
+    # How workers start where ``spawn_reasons`` gives a reason not to fork: ``"spawn"`` or ``"forkserver"``.
+    instead_of_fork: str = "spawn"
+
     # How worker processes start (``"fork"``, ``"spawn"``, ``"forkserver"``); ``None``: spawn where
     # ``spawn_reasons`` gives one, else the platform's default (fork on Linux).
     worker_start_method: str | None = None
@@ -547,7 +550,9 @@ class PlanDataModule(LightningDataModule):
         options = self._loader_options()
         method = None
         if self.num_workers > 0:
-            method = start_method(self.worker_start_method, self.spawn_reasons(), type(self).__name__)
+            method = start_method(
+                self.worker_start_method, self.spawn_reasons(), type(self).__name__, self.instead_of_fork
+            )
         return self._stopping_together(
             PlanDataLoader(
                 dataset, sampler, self.num_workers, multiprocessing_context=method, in_order=self.in_order, **options

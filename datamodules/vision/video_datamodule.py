@@ -121,6 +121,8 @@ class VideoDataModule(PlanDataModule):
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
 
+    instead_of_fork = "forkserver"  # the reason below holds in every process that decoded: start workers fast
+
     def spawn_reasons(self) -> list[str]:
         """A process that has decoded video (validation or a run with ``num_workers=0`` before this
         loader, or the user's own code) does not fork its workers: FFmpeg's state does not survive it."""
