@@ -17,7 +17,7 @@ from datamodules.plan.held_out import RowSplit
 from datamodules.plan.randomness import seeded
 from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles
 from datamodules.vision.bad_samples import sample_or_replacement
-from datamodules.vision.images import ImagePixels, read_image
+from datamodules.vision.images import ImagePixels, image_reference, read_image
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
@@ -89,8 +89,11 @@ class ImageTextSamples(PlannedFiles):
 
     def file_location(self, value: Any) -> str | None:
         """An image's path or URL (``None`` for bytes in the row)."""
-        path = value.get("path") if isinstance(value, dict) and not value.get("bytes") else value
-        return path if isinstance(path, str) else None
+        try:
+            data, path = image_reference(value)
+        except BadSample:
+            return None  # read as a bad sample, not planned
+        return path if data is None else None
 
     @property
     def shape_key(self) -> tuple[Any, ...]:
@@ -114,14 +117,7 @@ class ImageTextSamples(PlannedFiles):
         return f"{self.name} row {row}" + (f" (image {path})" if path else "")
 
     def _image(self, value: Any, key: int) -> np.ndarray:
-        if isinstance(value, dict):
-            data, path = value.get("bytes"), value.get("path")
-        elif isinstance(value, (bytes, bytearray)):
-            data, path = bytes(value), None
-        elif isinstance(value, str) or value is None:
-            data, path = None, value
-        else:
-            raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
+        data, path = image_reference(value)
         if isinstance(self.pixels, ProcessorInputs):
             return self.pixels.pixels(read_image(data, path, files=self.files))
         image = read_image(data, path, self.pixels.draft_size, self.files)

@@ -22,6 +22,18 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def image_reference(value: Any) -> tuple[bytes | None, str | None]:
+    """``(bytes, path)`` of a row's image value: ``datasets``' undecoded ``Image`` dict, bytes, a path
+    or URL, or ``None`` (which ``read_image`` refuses as a null image)."""
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value), None
+    if isinstance(value, str) or value is None:
+        return None, value
+    raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
+
+
 def read_image(
     data: bytes | None, path: str | None, draft_size: int | None = None, files: RemoteFiles = LOCAL_FILES
 ) -> Image.Image:

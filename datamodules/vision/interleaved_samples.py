@@ -15,21 +15,10 @@ from datamodules.plan.held_out import RowSplit
 from datamodules.storage.locations import is_url
 from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, url_key
 from datamodules.vision.bad_samples import sample_or_replacement
-from datamodules.vision.images import ImagePixels, read_image
+from datamodules.vision.images import ImagePixels, image_reference, read_image
 from datamodules.vision.interleaved_text import DOCUMENT_PARTS, InterleavedText
 from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.vlm_processor import ProcessorInputs
-
-
-def image_reference(value: Any) -> tuple[bytes | None, str | None]:
-    """``(bytes, path)`` of an image value: ``datasets``' undecoded ``Image`` dict, bytes, or a path/URL."""
-    if isinstance(value, dict):
-        return value.get("bytes"), value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value), None
-    if isinstance(value, str):
-        return None, value
-    raise BadSample(f"an image is a {type(value).__name__}, not bytes or a path")
 
 
 class InterleavedSamples(PlannedFiles):
