@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from benchmarks.common import add_run_arguments, report, results_directory
-from datamodules.chat.multipack import MultipackBatchSampler
+from datamodules.plan.multipack import MultipackBatchSampler
 
 BUDGET = 8192
 

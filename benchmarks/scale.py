@@ -447,7 +447,7 @@ def packed_probe(spec: dict[str, Any]) -> None:
     import datasets
 
     from datamodules.chat.conversation_rows import ConversationRows, column_values
-    from datamodules.chat.multipack import PackedRows
+    from datamodules.plan.multipack import PackedRows
 
     dataset = datasets.load_from_disk(spec["data"])
     before, started = memory_kb(os.getpid())["Anonymous"], time.perf_counter()

@@ -23,7 +23,7 @@ _EXPORTS = {
     "ImageTextSource": "datamodules.vision.image_text_source",
     "MixtureComponent": "datamodules.mixture",
     "MixtureDataModule": "datamodules.mixture",
-    "MultipackBatchSampler": "datamodules.chat.multipack",
+    "MultipackBatchSampler": "datamodules.plan.multipack",
     "PhaseScheduler": "datamodules.callbacks.phase_scheduler",
     "PlanDataModule": "datamodules.plan.datamodule",
     "PlannedSource": "datamodules.plan.sample_plan",
@@ -69,9 +69,9 @@ if TYPE_CHECKING:
     from datamodules.callbacks.progress_lines import ProgressLines
     from datamodules.chat.conversation_datamodule import ConversationDataModule
     from datamodules.chat.conversation_source import ConversationSource
-    from datamodules.chat.multipack import MultipackBatchSampler
     from datamodules.mixture import MixtureComponent, MixtureDataModule, WeightedSource
     from datamodules.plan.datamodule import PlanDataModule
+    from datamodules.plan.multipack import MultipackBatchSampler
     from datamodules.plan.sample_plan import PlannedSource, SamplePlan
     from datamodules.speculative.generation_client import GenerationServer
     from datamodules.speculative.hidden_states_datamodule import HiddenStatesDataModule

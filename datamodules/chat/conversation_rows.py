@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from datamodules.chat.multipack import NODE_KIND, OverLong, PackedRows, narrow_indices
 from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.plan.multipack import NODE_KIND, OverLong, PackedRows, narrow_indices, row_layout
 from datamodules.storage.node_arrays import is_mapped, node_arrays
 
 log = logging.getLogger(__name__)
@@ -194,26 +194,17 @@ class ConversationRows:
         raw = {
             "input_ids": np.zeros((count, length), dtype=np.int64),
             "loss_mask": np.zeros((count, length), dtype=np.uint8),
-            "position_ids": np.zeros((count, length), dtype=np.int64),
-            "document_ids": np.full((count, length), -1, dtype=np.int64),
         }
-        sequences = np.full(count * (most + 1) + 1, count * length, dtype=np.int32)
-        sequences[0], at, longest = 0, 1, 0
         for b, conversations in enumerate(span):
             filled = 0
-            for document, row in enumerate(conversations):
+            for row in conversations:
                 ids = tokens[row]
                 n = len(ids["input_ids"])
-                raw["input_ids"][b, filled : filled + n] = ids["input_ids"][:n]
-                raw["loss_mask"][b, filled : filled + n] = ids["loss_mask"][:n]
-                raw["position_ids"][b, filled : filled + n] = np.arange(n)
-                raw["document_ids"][b, filled : filled + n] = document
+                raw["input_ids"][b, filled : filled + n] = ids["input_ids"]
+                raw["loss_mask"][b, filled : filled + n] = ids["loss_mask"]
                 filled += n
-                sequences[at], at, longest = b * length + filled, at + 1, max(longest, n)
-            if filled < length:  # the row's padding: one sequence of its own
-                raw["position_ids"][b, filled:] = np.arange(length - filled)
-                sequences[at], at, longest = (b + 1) * length, at + 1, max(longest, length - filled)
-        raw["cu_seqlens"], raw["num_sequences"], raw["max_seqlen"] = sequences, at - 1, longest
+        lengths = [[len(tokens[row]["input_ids"]) for row in conversations] for conversations in span]
+        raw.update(row_layout(lengths, length, most))
         return raw
 
     def to_batch(self, raw: Batch) -> Batch:

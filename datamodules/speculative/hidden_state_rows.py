@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from datamodules.chat.conversation_rows import ConversationRows
-from datamodules.chat.multipack import OverLong
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.multipack import OverLong
 from datamodules.plan.recycled_buffers import RecycledBuffers, nbytes_of, release_returned, views
 from datamodules.plan.stopping import STOP
 from datamodules.speculative.generation_client import CircuitBreaker

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from datamodules.chat.conversation_rows import checked_rows
-from datamodules.chat.multipack import OverLong
 from datamodules.plan.arguments import require_existing, require_int
 from datamodules.plan.bad_samples import BadSampleLog, check_policy
 from datamodules.plan.datamodule import PlanDataModule
 from datamodules.plan.hf_loading import is_saved_dataset, load_split
+from datamodules.plan.multipack import OverLong
 from datamodules.plan.sample_plan import SamplePlan
 from datamodules.plan.worker_start import START_METHODS
 from datamodules.speculative.generation_client import GenerationClient, GenerationServer

@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.common import tiny_conversations
 from datamodules.chat.conversation_rows import ConversationRows
-from datamodules.chat.multipack import NODE_KIND, PackedRows
+from datamodules.plan.multipack import NODE_KIND, PackedRows
 from datamodules.storage.node_arrays import is_mapped, node_array_names
 
 CONVERSATIONS = 1_000_000

@@ -10,7 +10,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch.distributed as dist
@@ -105,6 +105,38 @@ def best_fit_decreasing(units: np.ndarray, capacity: int, tie_keys: np.ndarray) 
     return row_of, num_rows
 
 
+def row_layout(lengths: list[list[int]], total_seq_len: int, most: int) -> dict[str, Any]:
+    """Where the samples packed in each row sit: ``position_ids`` ``[B, T]`` restarting at 0 in each
+    (and in the row's padding), ``document_ids`` ``[B, T]`` (a sample's place in its row, -1 on
+    padding), and ``cu_seqlens`` ``[B * (most + 1) + 1]`` int32, the offsets of the samples (and of
+    each row's padding) in the ``B * T`` tokens flattened, as flash-attention's varlen kernels take
+    them, padded to a fixed length with the total; ``num_sequences`` of them are real and
+    ``max_seqlen`` is the longest. ``lengths[b]``: the tokens of row ``b``'s samples, in order;
+    ``most``: the most samples a row can hold."""
+    count, length = len(lengths), total_seq_len
+    positions = np.zeros((count, length), dtype=np.int64)
+    documents = np.full((count, length), -1, dtype=np.int64)
+    sequences = np.full(count * (most + 1) + 1, count * length, dtype=np.int32)
+    sequences[0], at, longest = 0, 1, 0
+    for b, row in enumerate(lengths):
+        filled = 0
+        for document, n in enumerate(row):
+            positions[b, filled : filled + n] = np.arange(n)
+            documents[b, filled : filled + n] = document
+            filled += n
+            sequences[at], at, longest = b * length + filled, at + 1, max(longest, n)
+        if filled < length:  # the row's padding: one sequence of its own
+            positions[b, filled:] = np.arange(length - filled)
+            sequences[at], at, longest = (b + 1) * length, at + 1, max(longest, length - filled)
+    return {
+        "position_ids": positions,
+        "document_ids": documents,
+        "cu_seqlens": sequences,
+        "num_sequences": at - 1,
+        "max_seqlen": longest,
+    }
+
+
 @dataclass(frozen=True)
 class PackingReport:
     """How well a set of rows is packed.
@@ -145,6 +177,11 @@ class PackedRows:
         shared_as: a name for these lengths and options: the per-sample arrays and each pass's
             packing are then computed once on the node and mapped by its processes
             (``node_arrays``); ``None`` (the default): computed and held by this process.
+        images: images of each sample, for ``max_images_per_row`` (each at most that many).
+        max_images_per_row: the most images a row holds. A sample then takes the room of its tokens
+            or of its share of the row's images, whichever is more (``images * capacity / max``,
+            rounded up): rows within capacity are then within both budgets, and a single packing
+            problem remains. It costs room only to samples richer in images than the cap's average.
     """
 
     def __init__(
@@ -157,7 +194,12 @@ class PackedRows:
         length_quantum: int | None = None,
         max_length: int | None = None,
         shared_as: str | None = None,
+        images: np.ndarray | None = None,
+        max_images_per_row: int | None = None,
     ) -> None:
+        if (images is None) != (max_images_per_row is None):
+            raise ValueError("images and max_images_per_row go together")
+        self.max_images_per_row = None if images is None else require_int("max_images_per_row", max_images_per_row, 1)
         self.total_seq_len = require_int("total_seq_len", total_seq_len, 1)
         self.max_length = total_seq_len if max_length is None else require_int("max_length", max_length, 1)
         if self.max_length > total_seq_len:
@@ -170,7 +212,8 @@ class PackedRows:
             raise ValueError(f"length_quantum={quantum} is larger than total_seq_len={total_seq_len}")
         self.seed, self.shared_as = seed, shared_as
         packing = (total_seq_len, self.quantum, over_long) + ((self.max_length,) if max_length is not None else ())
-        base = self._arrays("base", lambda: self._base(lengths, over_long, packing))
+        packing += (max_images_per_row,) if images is not None else ()
+        base = self._arrays("base", lambda: self._base(lengths, over_long, packing, images))
         self.lengths, self._units = base["lengths"], base["units"]
         self.kept = base.get("kept")  # the samples packed, where some are dropped; else all of them
         self.num_kept = len(self._units)
@@ -181,7 +224,9 @@ class PackedRows:
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.num_rows = int(base["num_rows"])
 
-    def _base(self, lengths: np.ndarray, over_long: str, packing: tuple) -> dict[str, np.ndarray]:
+    def _base(
+        self, lengths: np.ndarray, over_long: str, packing: tuple, images: np.ndarray | None
+    ) -> dict[str, np.ndarray]:
         """The per-sample arrays every pass packs from: lengths cut to ``max_length``, the samples kept
         (with ``"drop"``), their sizes in quanta; the counts cut and left out; the fingerprint of
         lengths and options. Each in the narrowest type that holds it (a node keeps them)."""
@@ -198,8 +243,21 @@ class PackedRows:
         clipped = np.minimum(lengths, self.max_length)
         total = self.total_seq_len
         capacity = total // self.quantum
-        fingerprint = hashlib.blake2b(clipped.tobytes() + repr(packing).encode(), digest_size=16).hexdigest()
+        identity = clipped.tobytes() + repr(packing).encode()
         units = np.minimum(-(-clipped[kept] // self.quantum), capacity)
+        if images is not None:
+            images = np.asarray(images, dtype=np.int64)
+            if images.shape != lengths.shape or images.min() < 0:
+                raise ValueError(f"images must be {len(lengths)} counts >= 0, one a sample, got shape {images.shape}")
+            if images.max() > self.max_images_per_row:
+                over = np.flatnonzero(images > self.max_images_per_row)
+                raise ValueError(
+                    f"{len(over)} samples hold more than max_images_per_row={self.max_images_per_row} images, "
+                    f"the first (index {int(over[0])}) {int(images[over[0]])}"
+                )
+            units = np.maximum(units, -(-images[kept] * capacity // self.max_images_per_row))
+            identity += images.tobytes()
+        fingerprint = hashlib.blake2b(identity, digest_size=16).hexdigest()
         # Every pass packs into as many rows: the count depends on the sizes, not on the tie keys.
         _, num_rows = best_fit_decreasing(units, capacity, np.arange(len(units), dtype=np.uint64))
         return {

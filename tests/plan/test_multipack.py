@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from datamodules import MultipackBatchSampler
-from datamodules.chat.multipack import PackedRows, best_fit_decreasing, order_by
+from datamodules.plan.multipack import PackedRows, best_fit_decreasing, order_by
 
 BUDGET = 8192
 
@@ -175,3 +175,27 @@ def test_bad_packing_arguments_are_refused_with_the_value(kwargs: dict, message:
 def test_more_ranks_than_rows_is_refused() -> None:
     with pytest.raises(ValueError, match="2 packed rows of 1000 tokens cannot give each of 4 ranks"):
         MultipackBatchSampler([900, 900], 1000, num_replicas=4, rank=0)
+
+
+def test_a_cap_on_images_a_row_holds_in_every_row_and_costs_no_room_where_tokens_bind_first() -> None:
+    rng = np.random.default_rng(3)
+    images = rng.poisson(1.5, 4000)
+    images[rng.random(len(images)) < 0.05] = 12  # a few pages of pictures
+    lengths = lognormal_lengths(len(images), mean=600) + 256 * images  # text, and 256 tokens an image
+    free = PackedRows(lengths, BUDGET, seed=1)
+    assert max(int(images[free.row(0, r)].sum()) for r in range(len(free))) > 16
+    for cap in (16, 32):
+        packed = PackedRows(lengths, BUDGET, seed=1, images=images, max_images_per_row=cap)
+        for pass_ in range(3):
+            rows = [packed.row(pass_, r) for r in range(len(packed))]
+            assert sorted(np.concatenate(rows).tolist()) == list(range(len(lengths)))  # every sample once a pass
+            assert max(int(images[r].sum()) for r in rows) <= cap
+            assert max(int(np.minimum(lengths, BUDGET)[r].sum()) for r in rows) <= BUDGET
+    # 32 images of 256 tokens fill a row: the cap never binds, and the rows are the ones without it.
+    assert len(packed) == len(free)
+    assert [packed.row(1, r).tolist() for r in range(len(packed))] == [free.row(1, r).tolist() for r in range(len(free))]
+
+
+def test_a_sample_with_more_images_than_a_row_holds_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"more than max_images_per_row=4 images, the first \(index 1\) 5"):
+        PackedRows(np.array([10, 10]), 100, images=np.array([1, 5]), max_images_per_row=4)
