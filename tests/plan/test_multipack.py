@@ -193,7 +193,8 @@ def test_a_cap_on_images_a_row_holds_in_every_row_and_costs_no_room_where_tokens
             assert max(int(np.minimum(lengths, BUDGET)[r].sum()) for r in rows) <= BUDGET
     # 32 images of 256 tokens fill a row: the cap never binds, and the rows are the ones without it.
     assert len(packed) == len(free)
-    assert [packed.row(1, r).tolist() for r in range(len(packed))] == [free.row(1, r).tolist() for r in range(len(free))]
+    rows_of = lambda p: [p.row(1, r).tolist() for r in range(len(p))]  # noqa: E731
+    assert rows_of(packed) == rows_of(free)
 
 
 def test_a_sample_with_more_images_than_a_row_holds_is_refused_naming_it() -> None:
