@@ -73,7 +73,8 @@ class TinyVLM(TinyCausalLM):
 class TinyInterleavedVLM(TinyVLM):
     """``TinyVLM`` for interleaved documents: the batch's images (``pixel_values`` ``[N, 3, H, W]``, in
     order) through the patch encoder, their patches in turn into the placeholders (``input_ids`` equal
-    to ``image_token_id``), row by row, as LLaVA-style models scatter them.
+    to ``image_token_id``), row by row, as LLaVA-style models scatter them. Packed rows (with
+    ``position_ids``) keep attention within each document, where its positions restart.
 
     Args:
         vocab_size, hidden_size, num_layers, num_heads, max_seq_len, image_size, patch_size,
@@ -108,6 +109,8 @@ class TinyInterleavedVLM(TinyVLM):
                 "DataModule's num_image_tokens to (image_size // patch_size) ** 2 and image_token_id to its image_token"
             )
         embeds = embeds.masked_scatter(placeholders.unsqueeze(-1), features.to(embeds.dtype))
+        if "position_ids" in batch:  # packed documents: attention stays within each, where positions restart
+            return self.model(inputs_embeds=embeds, position_ids=batch["position_ids"], use_cache=False).logits
         return self.model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
 
 

@@ -31,9 +31,14 @@ class ImageTextDataModule(PlanDataModule):
             prompt, image_size, resize_mode, mean, std, transform, num_image_tokens, image_token,
             add_bos, val_split, val_fraction, on_bad_sample, load_kwargs, storage_options, file_cache_dir,
             file_cache_bytes, file_cache_policy, test_split, test_fraction, layout, max_images, separator,
-            loss_before_first_image: see ``ImageTextSource``;
+            loss_before_first_image, max_images_per_row: see ``ImageTextSource``;
             ``storage_options`` are kept out of checkpoints.
-        max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding).
+        max_text_len: tokens per sample, image placeholders included (prompt, answer, EOS, padding);
+            with ``pack_sequences``, per packed row.
+        pack_sequences: interleaved documents only: several documents a row of ``max_text_len``
+            tokens, counting each image's placeholders, packed by multipack afresh every pass (see
+            ``InterleavedRows``); batches then carry ``position_ids``, ``document_ids``,
+            ``cu_seqlens`` and ``image_counts`` (per row) instead of ``attention_mask``.
         batch_size: samples per data-parallel rank per micro-batch.
         seed, num_workers, allow_plan_change, pin_memory, prefetch_factor, broadcast_within: see
             ``PlanDataModule``.
@@ -87,6 +92,8 @@ class ImageTextDataModule(PlanDataModule):
         max_images: int = 16,
         separator: str = "\n\n",
         loss_before_first_image: bool = True,
+        pack_sequences: bool = False,
+        max_images_per_row: int | None = None,
     ) -> None:
         super().__init__(
             batch_size,
@@ -131,7 +138,9 @@ class ImageTextDataModule(PlanDataModule):
             max_images=max_images,
             separator=separator,
             loss_before_first_image=loss_before_first_image,
+            max_images_per_row=max_images_per_row,
         )
+        self.pack_sequences = pack_sequences
         self.save_hyperparameters(ignore=["transform", "storage_options"])  # credentials stay out of checkpoints
 
     def source_specs(self) -> list[ImageTextSource]:
@@ -140,7 +149,7 @@ class ImageTextDataModule(PlanDataModule):
     test_options = "give it test_split or test_fraction"
 
     def build_sources(self) -> list[tuple[str, ImageTextSamples, dict[str, ImageTextSamples]]]:
-        return [("train", *self.source.build(self.max_text_len, False, self.job))]
+        return [("train", *self.source.build(self.max_text_len, self.pack_sequences, self.job))]
 
     @property
     def bad_samples(self) -> BadSampleLog:

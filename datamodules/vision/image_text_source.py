@@ -19,6 +19,7 @@ from datamodules.storage.remote_files import RemoteFiles
 from datamodules.storage.sample_table import IndexedShards
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
+from datamodules.vision.interleaved_rows import InterleavedRows
 from datamodules.vision.interleaved_samples import InterleavedSamples
 from datamodules.vision.interleaved_text import LAYOUTS, InterleavedText
 from datamodules.vision.prompt_labels import PromptAnswerLabels, placeholder_token_id
@@ -102,6 +103,10 @@ class ImageTextSource(SourceSpec):
         separator: with an interleaved layout, the text between two adjacent texts.
         loss_before_first_image: with an interleaved layout, whether the text before a document's
             first image takes loss (default: yes).
+        max_images_per_row: with packed interleaved documents (``pack_sequences=True``), the most
+            images a row holds (default: no cap beyond the tokens). A document takes the room of its
+            tokens or of its share of the row's images, whichever is more; the cap costs no room
+            where ``max_text_len / max_images_per_row`` is at most an image's tokens.
     """
 
     path: str
@@ -136,9 +141,14 @@ class ImageTextSource(SourceSpec):
     max_images: int = 16
     separator: str = "\n\n"
     loss_before_first_image: bool = True
+    max_images_per_row: int | None = None
 
     def __post_init__(self) -> None:
         self.path = str(self.path)
+        if self.max_images_per_row is not None:
+            require_int("max_images_per_row", self.max_images_per_row, 1)
+            if self.layout == "pairs":
+                raise ValueError("max_images_per_row is for packed interleaved documents (layout 'obelics' or 'mmc4')")
         if self.layout not in ("pairs", *LAYOUTS):
             raise ValueError(f"layout must be one of {('pairs', *LAYOUTS)}, got {self.layout!r}")
         require_int("max_images", self.max_images, 1)
@@ -267,8 +277,11 @@ class ImageTextSource(SourceSpec):
         self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[ImageTextSamples, dict[str, ImageTextSamples]]:
         """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
-        if pack_sequences:
-            raise ValueError("image-text samples are not packed: use pack_sequences=False")
+        if pack_sequences and self.layout == "pairs":
+            raise ValueError(
+                "image-text pairs are not packed: pack_sequences is for interleaved documents (layout 'obelics' "
+                "or 'mmc4')"
+            )
         pixels, labels, tokenizer = self._pixels_and_labels(seq_len)
         fields = ImageTextFields(self.image_field, self.text_field, self.prompt_field, self.prompt)
         options = {
@@ -291,10 +304,17 @@ class ImageTextSource(SourceSpec):
             )  # fmt: skip
             options.update(layout=self.layout, max_images=self.max_images, separator=self.separator)
             options.update(loss_before_first_image=self.loss_before_first_image)
+            if pack_sequences:
+                options.update(packed=True, max_images_per_row=self.max_images_per_row)
 
         def samples(dataset: Any, split: RowSplit, split_name: str) -> ImageTextSamples | InterleavedSamples:
             details = {**options, "data": dataset._fingerprint, "split": split_name, "rows": [split.first, len(split)]}
             where = f"{self.path}:{split_name}"
+            if text is not None and pack_sequences:
+                return InterleavedRows(
+                    dataset, split, self.layout, self.text_field, self.image_field, pixels, text, self.max_images,
+                    self.on_bad_sample, where, details, self.files, max_images_per_row=self.max_images_per_row,
+                )  # fmt: skip
             if text is not None:
                 return InterleavedSamples(
                     dataset, split, self.layout, self.text_field, self.image_field, pixels, text, self.max_images,

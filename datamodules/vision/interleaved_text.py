@@ -132,6 +132,27 @@ class InterleavedText:
             out.append(part)
         return "".join(out)
 
+    def lengths(self, documents: list[list[str | None]]) -> list[int | BadSample]:
+        """Tokens each document takes whole (BOS, text, placeholders, EOS), in one tokenizer call for
+        them all; a document that cannot be rendered gets its ``BadSample``."""
+        rendered: list[str | BadSample] = []
+        for parts in documents:
+            try:
+                rendered.append(self.render(parts))
+            except BadSample as err:
+                rendered.append(err)
+        texts = [r for r in rendered if isinstance(r, str)]
+        ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        out: list[int | BadSample] = []
+        for r in rendered:
+            if isinstance(r, BadSample):
+                out.append(r)
+                continue
+            tokens = next(ids)
+            widened = (self.num_image_tokens - 1) * tokens.count(self.image_token_id)
+            out.append(len(self.bos) + len(tokens) + widened + 1)
+        return out
+
     def encode(self, parts: list[str | None]) -> tuple[dict[str, np.ndarray], int]:
         """The row's arrays ``[max_text_len]`` and how many of the document's images it holds (the
         first ones: an image cut off leaves out the rest of the document)."""

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--image-folder", help="an imagefolder with metadata.jsonl (ImageTextDataModule)")
     data.add_argument("--image-urls", help="a saved dataset whose rows name images by URL (ImageTextDataModule)")
     parser.add_argument("--file-cache-bytes", type=int, help="with --image-urls: a file cache in --cache-dir")
+    data.add_argument("--interleaved", help="a saved dataset of OBELICS rows, packed (ImageTextDataModule)")
     data.add_argument("--webdataset", help="tar shards, a brace pattern (ImageTextDataModule, path='webdataset')")
     data.add_argument("--video-folder", help="clips with captions.jsonl (VideoDataModule, folder layout)")
     data.add_argument("--conversations", help="a ShareGPT JSON-lines file (ConversationDataModule; --tokenizer)")
@@ -265,6 +266,23 @@ def main(argv: list[str] | None = None) -> None:
             storage_options=args.storage_options,
             file_cache_dir=args.cache_dir,
             file_cache_bytes=args.file_cache_bytes,
+            **loading,
+        )
+    elif args.interleaved:
+        from examples.default_images import SPECIAL_TOKENS
+
+        datamodule = ImageTextDataModule(
+            args.interleaved,
+            tokenizer=args.tokenizer,
+            max_text_len=loading.pop("seq_len"),
+            layout="obelics",
+            text_field="texts",
+            image_field="images",
+            image_token=SPECIAL_TOKENS["image_token"],
+            num_image_tokens=3,
+            image_size=8,
+            pack_sequences=True,
+            max_images_per_row=10,
             **loading,
         )
     elif args.webdataset:

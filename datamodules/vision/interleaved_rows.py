@@ -1,0 +1,216 @@
+"""``InterleavedRows``: interleaved documents packed into rows of ``total_seq_len`` tokens, counting
+each image's placeholders, by multipack (``PackedRows``: best-fit decreasing, afresh every pass), a
+plan source whose samples are the packed rows, as conversation rows are."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.loader import IGNORE_INDEX
+from datamodules.plan.multipack import PackedRows, row_layout
+from datamodules.storage.node_arrays import node_arrays
+from datamodules.vision.interleaved_samples import InterleavedSamples
+
+log = logging.getLogger(__name__)
+
+COSTS_KIND = "document_costs-1"  # the node cache's folder for documents' lengths; its number: the format
+_MEASURED_AT_ONCE = 512
+# Why a document cannot be packed, by code in the node's ``unfit`` array (0: it can).
+UNFIT = {1: "malformed", 2: "too many images", 3: "over the row's budget alone", 4: "over the row's image cap alone"}
+
+
+class InterleavedRows(InterleavedSamples):
+    """Interleaved documents packed several a row of ``total_seq_len`` tokens (their text, each image's
+    placeholders, BOS and EOS), at most ``max_images_per_row`` images a row.
+
+    Every document's length and image count are measured once on the node (``node_arrays``: the
+    rows are read and their texts tokenized, no image is decoded) before the first pass is packed. A
+    document that cannot be packed (malformed, more than ``max_images`` images, longer than a row
+    alone) is refused at ``setup`` naming it, or left out of every pass (``on_bad_sample="skip"``),
+    counted in ``left_out`` and logged. An image that does not decode is found when its row is read:
+    its document is refused, or its room in the row stays padding, counted in ``bad_samples``; never
+    replaced by another document, which would not fit the row.
+
+    A batch of ``B`` rows holds ``input_ids``, ``labels`` (each document's own, never across two),
+    ``position_ids``, ``document_ids``, ``cu_seqlens``, ``num_sequences`` and ``max_seqlen`` as
+    packed conversation rows do (``row_layout``); ``pixel_values`` ``[N, 3, H, W]``, the rows' images
+    in order, ``image_sample_index`` ``[N]`` (the row of each) and ``image_counts`` ``[B]``.
+    """
+
+    uses_passes = True  # rows are packed afresh every pass over the documents
+
+    def __init__(self, *args: Any, max_images_per_row: int | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bad_samples = BadSampleLog("left bad document %s (%s) out of its row, its room padding")
+        self.total_seq_len = self.text.max_text_len
+        self.max_images_per_row = max_images_per_row
+        identity = (self.fingerprint, self.split.first, len(self.split))
+        self.shared_as = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
+        measured = node_arrays(COSTS_KIND, self.shared_as, self._measure)
+        self.kept = np.flatnonzero(measured["unfit"] == 0)
+        self.lengths = measured["lengths"][self.kept]
+        self.images = measured["images"][self.kept]
+        self.left_out = len(measured["unfit"]) - len(self.kept)
+        if self.left_out:
+            self._refuse_or_log(measured["unfit"])
+        if not len(self.kept):
+            raise ValueError(f"{self.name}: no document can be packed into rows of {self.total_seq_len} tokens")
+        self._packed: PackedRows | None = None
+        packed = self.packed
+        self.fingerprint = f"{self.fingerprint}:packed:{packed.fingerprint}"
+        self.details = {**self.details, "documents": len(self.kept), "rows": len(packed)}
+
+    def _measure(self) -> dict[str, np.ndarray]:
+        """Each document's tokens and images, and why it cannot be packed (``UNFIT``'s code, 0: it can)."""
+        n = len(self.split)
+        lengths = np.zeros(n, dtype=np.int32)
+        images = np.zeros(n, dtype=np.int32)
+        unfit = np.zeros(n, dtype=np.int8)
+        columns = self.dataset.select_columns([self.texts_field, self.images_field])
+        for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
+            rows = self.split.rows(np.arange(start, min(n, start + _MEASURED_AT_ONCE))).tolist()
+            table = columns[rows]
+            parts: list[list[str | None]] = []
+            for at, (texts, found) in enumerate(zip(table[self.texts_field], table[self.images_field], strict=True)):
+                try:
+                    document, their_images = self.parts_of(texts, found)
+                except BadSample:
+                    unfit[start + at] = 1
+                    document, their_images = [], []
+                parts.append(document)
+                images[start + at] = len(their_images)
+            for at, length in enumerate(self.text.lengths(parts)):
+                if isinstance(length, BadSample):
+                    unfit[start + at] = 1
+                else:
+                    lengths[start + at] = length
+        unfit[(unfit == 0) & (images > self.max_images)] = 2
+        unfit[(unfit == 0) & (lengths > self.total_seq_len)] = 3
+        if self.max_images_per_row is not None:
+            unfit[(unfit == 0) & (images > self.max_images_per_row)] = 4
+        return {"lengths": lengths, "images": images, "unfit": unfit}
+
+    def _why(self, index: int, code: int) -> str:
+        """Why document ``index`` cannot be packed, in words."""
+        if code == 1:
+            try:
+                parts, _ = self._row(index)
+                self.text.render(parts)
+            except BadSample as err:
+                return str(err)
+        if code in (2, 4):
+            limit = f"max_images={self.max_images}" if code == 2 else f"max_images_per_row={self.max_images_per_row}"
+            return f"it holds {len(self._row(index)[1])} images, more than {limit}"
+        length = self.text.lengths([self._row(index)[0]])[0]
+        return f"it takes {length} tokens, more than a row's {self.total_seq_len} (max_text_len)"
+
+    def _refuse_or_log(self, unfit: np.ndarray) -> None:
+        bad = np.flatnonzero(unfit)
+        first = int(bad[0])
+        kinds = ", ".join(f"{int((unfit == c).sum())} {why}" for c, why in UNFIT.items() if (unfit == c).any())
+        example = f"{self.describe(first)}: {self._why(first, int(unfit[first]))}"
+        if self.on_bad_sample == "raise":
+            raise ValueError(
+                f"{example}; {len(bad)} documents cannot be packed ({kinds}); on_bad_sample='skip' leaves them "
+                "out and counts them"
+            )
+        log.warning("%s: left out %d of %d documents (%s), e.g. %s", self.name, len(bad), len(unfit), kinds, example)
+
+    @property
+    def packed(self) -> PackedRows:
+        """The documents' packing, every pass's computed once on the node."""
+        if self._packed is None:
+            cap = self.max_images_per_row
+            self._packed = PackedRows(
+                self.lengths, self.total_seq_len, shared_as=self.shared_as,
+                images=None if cap is None else self.images, max_images_per_row=cap,
+            )  # fmt: skip
+        return self._packed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_packed": None}  # a worker maps the node's packing itself
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def documents(self, indices: np.ndarray, passes: np.ndarray) -> list[np.ndarray]:
+        """The documents (indices of this split) of each packed row ``indices[i]`` of pass ``passes[i]``."""
+        packed = self.packed
+        rows = zip(np.asarray(indices).tolist(), np.asarray(passes).tolist(), strict=True)
+        return [self.kept[packed.row(pass_, row)] for row, pass_ in rows]
+
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        """The ``url_key`` of the images each row's documents read by URL (``[rows, images]``, 0: none)."""
+        passes = np.zeros(len(indices), dtype=np.int64) if passes is None else passes
+        rows = [super(InterleavedRows, self).file_keys(d).ravel() for d in self.documents(indices, passes)]
+        keys = np.zeros((len(rows), max(map(len, rows), default=0)), dtype=np.uint64)
+        for r, found in enumerate(rows):
+            keys[r, : len(found)] = found
+        return keys
+
+    def fetch(
+        self, indices: np.ndarray, keys: np.ndarray, passes: np.ndarray, positions: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        positions = np.zeros(len(indices), dtype=np.int64) if positions is None else positions
+        skipped: list[tuple[str, str]] = []
+        counts: dict[str, Any] = {}
+        length = self.total_seq_len
+        raw: dict[str, Any] = {
+            "input_ids": np.full((len(indices), length), self.text.pad_id, dtype=np.int64),
+            "labels": np.full((len(indices), length), IGNORE_INDEX, dtype=np.int64),
+        }
+        pixels: list[np.ndarray] = []
+        image_counts = np.zeros(len(indices), dtype=np.int64)
+        lengths: list[list[int]] = []
+        with self.count_cache(counts):
+            for b, (documents, position) in enumerate(
+                zip(self.documents(indices, passes), positions.tolist(), strict=True)
+            ):
+                placed: list[int] = []
+                for document in documents.tolist():
+                    try:
+                        with self.reading(position):
+                            images, arrays = self._read(document, 0)
+                    except BadSample as err:
+                        if self.on_bad_sample == "raise":
+                            return {"error": f"{self.describe(document)}: {err} (on_bad_sample='skip' counts it)"}
+                        skipped.append((self.describe(document), str(err)))
+                        continue
+                    n = int(arrays["attention_mask"].sum())
+                    at = sum(placed)
+                    if n != self.lengths[np.searchsorted(self.kept, document)] or at + n > length:
+                        return {"error": f"{self.describe(document)} changed since it was measured: it now takes {n}"}
+                    raw["input_ids"][b, at : at + n] = arrays["input_ids"][:n]
+                    raw["labels"][b, at : at + n] = arrays["labels"][:n]
+                    placed.append(n)
+                    pixels += images
+                    image_counts[b] += len(images)
+                lengths.append(placed)
+        raw.update(row_layout(lengths, length, self.packed.most_per_row))
+        raw["pixels"] = np.stack(pixels) if pixels else np.zeros((0, *self.pixel_shape), dtype=np.uint8)
+        raw["image_counts"] = image_counts
+        return {**raw, **counts, "skipped": skipped}
+
+    def to_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if "error" in raw:
+            raise BadSample(raw["error"])
+        self.bad_samples.record(raw["skipped"])
+        self.add_cache_counts(raw)
+        counts = torch.from_numpy(raw["image_counts"])
+        batch = {k: torch.from_numpy(raw[k]) for k in ("input_ids", "labels", "position_ids", "document_ids")}
+        return {
+            **batch,
+            "cu_seqlens": torch.from_numpy(raw["cu_seqlens"]),
+            "num_sequences": int(raw["num_sequences"]),
+            "max_seqlen": int(raw["max_seqlen"]),
+            "pixel_values": torch.from_numpy(raw["pixels"]),
+            "image_sample_index": torch.repeat_interleave(torch.arange(len(counts)), counts),
+            "image_counts": counts,
+        }
