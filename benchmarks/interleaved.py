@@ -14,8 +14,18 @@ document rendered with the image token at each image's place, tokenized and wide
   calls ``processor(text=..., images=...)``, batches padded to ``max_text_len``, in a ``DataLoader``.
 
 Each at ``num_workers`` 0 and 2, alternating rounds, medians; torch on one thread a process:
-``python -m benchmarks.interleaved``. Packing documents by a token budget is not built yet: this
-measures one document a row.
+``python -m benchmarks.interleaved``.
+
+Packing (second table): ``--packed-documents`` documents with OBELICS's averages (816 text tokens and
+2.5 images a document: lognormal text lengths, geometric image counts, at most 30 images), packed
+into rows of ``--row-tokens`` tokens, for three image-token rules: 64 a 224-pixel image (LLaVA, patch
+28, as above), 576 (LLaVA-1.5, 336 pixels, patch 14), and Qwen2-VL's dynamic count (its own
+``smart_resize`` of web-like image sizes, a token per 28 x 28 pixels). Ours packs the documents'
+lengths counting each image's tokens (``PackedRows``, as ``InterleavedRows`` does); against packing
+by text length alone (the rows then overflow: the share of rows over budget and of tokens a model
+would have to cut) and one document a row. Documents longer than a row alone are left out of all
+three (counted). The same packing of the real pipeline on the documents above
+(``ImageTextDataModule(pack_sequences=True)``) is reported beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -162,6 +173,95 @@ def measure_processor(path: Path, processor: Path, workers: int, warmup: int, se
     return rate(endless(loader), warmup, seconds, lambda b: b)
 
 
+PACKING_COLUMNS = ["image tokens", "packing", "rows", "token efficiency", "room left empty", "rows over budget",
+                   "tokens over budget"]  # fmt: skip
+PACKING_GOAL = 0.98
+
+
+def obelics_like(count: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Text tokens of ``count`` documents and each one's image sizes ``[images, 2]`` (height, width)."""
+    rng = np.random.default_rng(seed)
+    sigma = 1.0
+    text = np.maximum(1, rng.lognormal(np.log(816) - sigma**2 / 2, sigma, count)).astype(np.int64)
+    images = np.minimum(rng.geometric(1 / 3.5, count) - 1, 30)
+    widths = np.clip(rng.lognormal(np.log(800), 0.5, images.sum()), 64, 4000)
+    heights = np.clip(widths / rng.uniform(0.5, 2.0, images.sum()), 64, 4000)
+    sizes = np.stack([heights, widths], axis=1).astype(np.int64)
+    return text, np.split(sizes, np.cumsum(images)[:-1])
+
+
+def image_tokens(rule: str, sizes: np.ndarray) -> int:
+    """Tokens of a document's images under ``rule``."""
+    if rule == "qwen2-vl":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        return sum(h * w // 28**2 for h, w in (smart_resize(int(a), int(b)) for a, b in sizes))
+    return int(rule) * len(sizes)
+
+
+def packing_rows(lengths: np.ndarray, by: np.ndarray, row_tokens: int, rule: str, name: str) -> dict[str, Any]:
+    """Rows packed by the lengths ``by``, measured by the documents' true ``lengths``."""
+    from datamodules.plan.multipack import PackedRows
+
+    packed = PackedRows(by, row_tokens, seed=0)
+    samples, offsets = packed._pack(0)
+    tokens = np.add.reduceat(lengths[samples], offsets[:-1])
+    over = np.maximum(tokens - row_tokens, 0)
+    return {
+        "image tokens": rule,
+        "packing": name,
+        "rows": len(packed),
+        "token efficiency": float(np.minimum(tokens, row_tokens).sum() / (len(packed) * row_tokens)),
+        "room left empty": float(np.maximum(row_tokens - tokens, 0).sum() / (len(packed) * row_tokens)),
+        "rows over budget": float((over > 0).mean()),
+        "tokens over budget": float(over.sum() / tokens.sum()),
+    }
+
+
+def packing_table(count: int, row_tokens: int) -> tuple[list[dict[str, Any]], dict[str, bool], int]:
+    text, sizes = obelics_like(count)
+    rows, checks, left_out = [], {}, 0
+    for rule in ("64", "576", "qwen2-vl"):
+        vision = np.array([image_tokens(rule, s) for s in sizes], dtype=np.int64)
+        lengths = text + vision + 1  # EOS
+        fits = lengths <= row_tokens
+        left_out = max(left_out, int((~fits).sum()))
+        ours = packing_rows(lengths[fits], lengths[fits], row_tokens, rule, "ours: text and image tokens")
+        rows.append(ours)
+        rows.append(packing_rows(lengths[fits], np.minimum(text[fits] + 1, row_tokens), row_tokens, rule,
+                                 "text length alone"))  # fmt: skip
+        mean = int(round(vision.mean()))
+        estimate = np.clip(text[fits] + 1 + mean, 1, row_tokens)
+        rows.append(packing_rows(lengths[fits], estimate, row_tokens, rule, f"text + the mean {mean} image tokens"))
+        alone = lengths[fits]
+        rows.append({"image tokens": rule, "packing": "one document a row", "rows": len(alone),
+                     "token efficiency": float(alone.sum() / (len(alone) * row_tokens)),
+                     "room left empty": float(1 - alone.sum() / (len(alone) * row_tokens)),
+                     "rows over budget": 0.0, "tokens over budget": 0.0})  # fmt: skip
+        checks[f"{rule} image tokens: ours at least {PACKING_GOAL} of row capacity, no row over budget"] = (
+            ours["token efficiency"] >= PACKING_GOAL and ours["rows over budget"] == 0
+        )
+    return rows, checks, left_out
+
+
+def pipeline_packing(path: Path, tokenizer: Path, row_tokens: int) -> dict[str, Any]:
+    """Our DataModule's packed rows of the benchmark's documents: their efficiency over a pass."""
+    dm = ImageTextDataModule(
+        str(path), tokenizer=str(tokenizer), layout="obelics", text_field="texts", image_field="images",
+        image_token=IMAGE_TOKEN, num_image_tokens=NUM_IMAGE_TOKENS, image_size=IMAGE_SIZE, max_images=8,
+        max_text_len=row_tokens, batch_size=1, separator="", pack_sequences=True,
+    )  # fmt: skip
+    dm.setup("fit")
+    train = dm._train
+    rows = np.zeros((len(train), 1, 2), dtype=np.int64)
+    rows[:, 0, 1] = np.arange(len(train))
+    report_ = train.packed.report(rows)
+    return {"image tokens": str(NUM_IMAGE_TOKENS), "packing": f"ours, the pipeline on the {len(train.kept)} "
+            "documents above", "rows": report_.rows, "token efficiency": report_.token_efficiency,
+            "room left empty": 1 - report_.token_efficiency, "rows over budget": 0.0,
+            "tokens over budget": 0.0}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--documents", type=int, default=600)
@@ -170,15 +270,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed batches first")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--packed-documents", type=int, default=200_000, help="OBELICS-like documents packed")
+    parser.add_argument("--row-tokens", type=int, default=8192, help="tokens a packed row")
     add_run_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.documents, args.distinct_images, args.seconds, args.warmup, args.rounds = 24, 6, 1.0, 1, 1
+        args.packed_documents = 2000
     torch.set_num_threads(1)
     started = time.perf_counter()
     with data_directory(args.data_dir) as directory:
         path, tokenizer, images = write_documents(directory, args.documents, args.distinct_images)
         processor = llava(directory, tokenizer)
+        print(f"packing {args.packed_documents} OBELICS-like documents", flush=True)
+        packing, packing_checks, left_out = packing_table(args.packed_documents, args.row_tokens)
+        packing.append(pipeline_packing(path, tokenizer, args.row_tokens))
         print(f"{args.documents} documents, {images} images; measuring", flush=True)
         runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for round_ in range(args.rounds):
@@ -212,7 +318,9 @@ def main() -> None:
         "interleaved",
         {
             f"Interleaved documents (1-6 JPEGs 640x480 each, to {IMAGE_SIZE} px, {NUM_IMAGE_TOKENS} placeholders an "
-            f"image, rows of {MAX_TEXT_LEN} tokens, batch {BATCH}; medians of {args.rounds} rounds)": (COLUMNS, rows)
+            f"image, rows of {MAX_TEXT_LEN} tokens, batch {BATCH}; medians of {args.rounds} rounds)": (COLUMNS, rows),
+            f"Packing {args.packed_documents} OBELICS-like documents into rows of {args.row_tokens} tokens "
+            f"({left_out} longer than a row alone left out)": (PACKING_COLUMNS, packing),
         },
         config={
             "documents": args.documents,
@@ -223,7 +331,7 @@ def main() -> None:
             "quick": args.quick,
             "wall s": round(time.perf_counter() - started),
         },  # fmt: skip
-        checks=checks,
+        checks={**checks, **packing_checks},
         results_dir=results_directory(args.results_dir, args.quick),
     )
 
