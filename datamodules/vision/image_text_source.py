@@ -251,13 +251,19 @@ class ImageTextSource(SourceSpec):
             inputs = ProcessorInputs(self.processor)
             tokenizer = inputs.tokenizer if self.tokenizer is None else load_pretrained("tokenizer", self.tokenizer)
             for what, ours, theirs in (
-                ("image_size", self.image_size, inputs.pixel_shape[-1]),
+                ("image_size", self.image_size, None if inputs.dynamic else inputs.pixel_shape[-1]),
                 ("num_image_tokens", self.num_image_tokens, inputs.num_image_tokens),
             ):
                 if ours is not None and ours != theirs:
                     raise ValueError(f"{what}={ours}, but processor {self.processor!r} gives {theirs}")
+            if inputs.dynamic and self.layout == "pairs":
+                raise ValueError(
+                    f"processor {self.processor!r} gives each image as many tokens as its size asks; image-text "
+                    "pairs need a fixed count (every batch one shape): use a fixed-resolution processor, or an "
+                    "interleaved layout, which takes either"
+                )
             image_token_id = inputs.image_token_id
-            template, count, pixels = inputs.template, inputs.num_image_tokens, inputs
+            template, count, pixels = inputs.template, inputs.num_image_tokens or 0, inputs
         else:
             tokenizer = load_pretrained("tokenizer", self.tokenizer)
             image_token_id = placeholder_token_id(tokenizer, self.tokenizer, self.image_token)
@@ -292,14 +298,15 @@ class ImageTextSource(SourceSpec):
             "resize_mode": self.resize_mode or "crop",
             "transform": transform_name(self.transform),
             "max_text_len": seq_len,
-            "num_image_tokens": labels.num_image_tokens,
+            "num_image_tokens": "by image size" if getattr(pixels, "dynamic", False) else labels.num_image_tokens,
         }
 
         text = None
         if self.layout != "pairs":
             image_token = self.image_token or pixels.image_token  # a processor's, where no image_token is given
             text = InterleavedText(
-                labels.tokenizer, self.tokenizer or self.processor, seq_len, labels.num_image_tokens, image_token,
+                labels.tokenizer, self.tokenizer or self.processor, seq_len,
+                None if getattr(pixels, "dynamic", False) else labels.num_image_tokens, image_token,
                 self.separator, self.loss_before_first_image, self.add_bos,
             )  # fmt: skip
             options.update(layout=self.layout, max_images=self.max_images, separator=self.separator)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from datamodules.plan.bad_samples import BadSample
@@ -72,6 +72,26 @@ def read_image(
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
         raise BadSample(f"cannot decode the image, truncated or corrupt ({err})") from None
     return to_rgb(image)
+
+
+def image_size(data: bytes | None, path: str | None, files: RemoteFiles = LOCAL_FILES) -> tuple[int, int]:
+    """``(width, height)`` of the image ``read_image`` gives, from its header alone (the EXIF
+    orientation applied): no pixel is decoded."""
+    if data is None:
+        if path is None:
+            raise BadSample("the image is null (no bytes and no path)")
+        try:
+            data = files.read_bytes(path)
+        except OSError as err:
+            raise BadSample(f"cannot read image file {path}: {err.strerror or err}") from None
+    try:
+        image = Image.open(io.BytesIO(data))
+        turned = image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8)  # a quarter turn: sides swap
+    except UnidentifiedImageError:
+        raise BadSample(f"not an image format PIL can read ({len(data)} bytes starting {data[:8]!r})") from None
+    except (OSError, ValueError, SyntaxError) as err:
+        raise BadSample(f"cannot read the image's header ({err})") from None
+    return (image.height, image.width) if turned else (image.width, image.height)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -78,15 +78,18 @@ class InterleavedRows(InterleavedSamples):
             rows = self.split.rows(np.arange(start, min(n, start + _MEASURED_AT_ONCE))).tolist()
             table = columns[rows]
             parts: list[list[str | None]] = []
+            counts: list[list[int] | None] = []
             for at, (texts, found) in enumerate(zip(table[self.texts_field], table[self.images_field], strict=True)):
                 try:
                     document, their_images = self.parts_of(texts, found)
+                    counts.append(self.image_counts(their_images) if len(their_images) <= self.max_images else None)
                 except BadSample:
                     unfit[start + at] = 1
                     document, their_images = [], []
+                    counts.append(None)
                 parts.append(document)
                 images[start + at] = len(their_images)
-            for at, length in enumerate(self.text.lengths(parts)):
+            for at, length in enumerate(self.text.lengths(parts, counts if self.dynamic else None)):
                 if isinstance(length, BadSample):
                     unfit[start + at] = 1
                 else:
@@ -166,7 +169,7 @@ class InterleavedRows(InterleavedSamples):
             "input_ids": np.full((len(indices), length), self.text.pad_id, dtype=np.int64),
             "labels": np.full((len(indices), length), IGNORE_INDEX, dtype=np.int64),
         }
-        pixels: list[np.ndarray] = []
+        images: list[tuple[list[np.ndarray], dict[str, np.ndarray]]] = []
         image_counts = np.zeros(len(indices), dtype=np.int64)
         lengths: list[list[int]] = []
         with self.count_cache(counts):
@@ -177,7 +180,7 @@ class InterleavedRows(InterleavedSamples):
                 for document in documents.tolist():
                     try:
                         with self.reading(position):
-                            images, arrays = self._read(document, 0)
+                            pixels, extras, arrays = self._read(document, 0)
                     except BadSample as err:
                         if self.on_bad_sample == "raise":
                             return {"error": f"{self.describe(document)}: {err} (on_bad_sample='skip' counts it)"}
@@ -190,11 +193,11 @@ class InterleavedRows(InterleavedSamples):
                     raw["input_ids"][b, at : at + n] = arrays["input_ids"][:n]
                     raw["labels"][b, at : at + n] = arrays["labels"][:n]
                     placed.append(n)
-                    pixels += images
-                    image_counts[b] += len(images)
+                    images.append((pixels, extras))
+                    image_counts[b] += len(pixels)
                 lengths.append(placed)
         raw.update(row_layout(lengths, length, self.packed.most_per_row))
-        raw["pixels"] = np.stack(pixels) if pixels else np.zeros((0, *self.pixel_shape), dtype=np.uint8)
+        raw.update(self.images_raw(images))
         raw["image_counts"] = image_counts
         return {**raw, **counts, "skipped": skipped}
 
@@ -203,14 +206,12 @@ class InterleavedRows(InterleavedSamples):
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
         self.add_cache_counts(raw)
-        counts = torch.from_numpy(raw["image_counts"])
         batch = {k: torch.from_numpy(raw[k]) for k in ("input_ids", "labels", "position_ids", "document_ids")}
         return {
             **batch,
             "cu_seqlens": torch.from_numpy(raw["cu_seqlens"]),
             "num_sequences": int(raw["num_sequences"]),
             "max_seqlen": int(raw["max_seqlen"]),
-            "pixel_values": torch.from_numpy(raw["pixels"]),
-            "image_sample_index": torch.repeat_interleave(torch.arange(len(counts)), counts),
-            "image_counts": counts,
+            **self.images_batch(raw),
+            "image_counts": torch.from_numpy(raw["image_counts"]),
         }

@@ -15,7 +15,7 @@ from datamodules.plan.held_out import RowSplit
 from datamodules.storage.locations import is_url
 from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, url_key
 from datamodules.vision.bad_samples import sample_or_replacement
-from datamodules.vision.images import ImagePixels, image_reference, read_image
+from datamodules.vision.images import ImagePixels, image_reference, image_size, read_image
 from datamodules.vision.interleaved_text import DOCUMENT_PARTS, InterleavedText
 from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.vlm_processor import ProcessorInputs
@@ -94,18 +94,47 @@ class InterleavedSamples(PlannedFiles):
                 keys[r, i] = url_key(path) if data is None and path is not None and is_url(path) else 0
         return keys
 
-    def _read(self, index: int, key: int) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    @property
+    def dynamic(self) -> bool:
+        """Whether an image's placeholders and pixel rows depend on its size (the processor's rule)."""
+        return isinstance(self.pixels, ProcessorInputs) and self.pixels.dynamic
+
+    def image_counts(self, images: list[Any]) -> list[int] | None:
+        """Placeholders of each of a document's images by their sizes (read from their headers)
+        where the processor's count depends on them; ``None`` where it is fixed."""
+        if not self.dynamic:
+            return None
+        return self.pixels.token_counts([image_size(*image_reference(v), self.files) for v in images])
+
+    def _read(self, index: int, key: int) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """A document's images' pixels, their per-image processor outputs, and its token arrays."""
         parts, images = self._row(index)
         if len(images) > self.max_images:
             raise BadSample(f"it holds {len(images)} images, more than max_images={self.max_images}")
-        arrays, kept = self.text.encode(parts)
         if isinstance(self.pixels, ProcessorInputs):  # the processor's pixels, all of the document's at once
-            return self.pixels.pixels_of(
-                [read_image(*image_reference(v), files=self.files) for v in images[:kept]]
-            ), arrays
+            decoded = [read_image(*image_reference(v), files=self.files) for v in images]
+            counts = self.pixels.token_counts([image.size for image in decoded]) if self.dynamic else None
+            arrays, kept = self.text.encode(parts, counts)
+            return *self.pixels.processed(decoded[:kept]), arrays
+        arrays, kept = self.text.encode(parts)
         # A JPEG decoded at a reduced DCT scale where the size allows.
         draft = self.pixels.draft_size
-        return [self.pixels(read_image(*image_reference(v), draft, self.files)) for v in images[:kept]], arrays
+        return [self.pixels(read_image(*image_reference(v), draft, self.files)) for v in images[:kept]], {}, arrays
+
+    def images_raw(self, documents: list[tuple[list[np.ndarray], dict[str, np.ndarray]]]) -> dict[str, Any]:
+        """The raw batch's images of ``documents`` (each its pixels and per-image outputs), in order:
+        ``pixels`` stacked (rows of patches: one after another), and the processor's per-image
+        outputs (``image_grid_thw``) under their names."""
+        pixels = [p for images, _ in documents for p in images]
+        raw: dict[str, Any] = {}
+        if not pixels:
+            raw["pixels"] = np.zeros((0, *self.pixel_shape), dtype=np.uint8)
+        else:
+            raw["pixels"] = np.concatenate(pixels) if self.dynamic else np.stack(pixels)
+        for name, shape in getattr(self.pixels, "extra_shapes", {}).items():
+            found = [extras[name] for _, extras in documents if name in extras]
+            raw[name] = np.concatenate(found) if found else np.zeros((0, *shape), dtype=np.int64)
+        return raw
 
     def fetch(self, indices: np.ndarray, keys: np.ndarray, positions: np.ndarray | None = None) -> dict[str, Any]:
         if positions is None:
@@ -118,13 +147,12 @@ class InterleavedSamples(PlannedFiles):
                 documents = [self._document(i, key, position, skipped) for i, key, position in reads]
         except BadSample as err:  # raised in the main process by to_batch, as one message
             return {"error": str(err)}
-        raw = {key: np.stack([arrays[key] for _, arrays in documents]) for key in documents[0][1]}
-        pixels = [p for images, _ in documents for p in images]
-        raw["pixels"] = np.stack(pixels) if pixels else np.zeros((0, *self.pixel_shape), dtype=np.uint8)
-        raw["image_counts"] = np.array([len(images) for images, _ in documents], dtype=np.int64)
+        raw = {key: np.stack([arrays[key] for _, _, arrays in documents]) for key in documents[0][2]}
+        raw.update(self.images_raw([(images, extras) for images, extras, _ in documents]))
+        raw["image_counts"] = np.array([len(images) for images, _, _ in documents], dtype=np.int64)
         return {**raw, **counts, "skipped": skipped}
 
-    def _document(self, index: int, key: int, position: int, skipped: list) -> tuple[list[np.ndarray], dict]:
+    def _document(self, index: int, key: int, position: int, skipped: list) -> tuple[list[np.ndarray], dict, dict]:
         with self.reading(position):
             return sample_or_replacement(
                 index, len(self), partial(self._read, key=key), self.describe, self.on_bad_sample, skipped
@@ -138,13 +166,22 @@ class InterleavedSamples(PlannedFiles):
             raise BadSample(raw["error"])
         self.bad_samples.record(raw["skipped"])
         self.add_cache_counts(raw)
-        counts = torch.from_numpy(raw["image_counts"])
         return {
             "input_ids": torch.from_numpy(raw["input_ids"].astype(np.int64)),
             "labels": torch.from_numpy(raw["labels"].astype(np.int64)),
             "attention_mask": torch.from_numpy(raw["attention_mask"].astype(np.int64)),
+            **self.images_batch(raw),
+        }
+
+    def images_batch(self, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """``pixel_values``, ``image_sample_index`` (the row of each image) and the processor's
+        per-image outputs of a raw batch."""
+        counts = torch.from_numpy(raw["image_counts"])
+        extras = {name: torch.from_numpy(raw[name]) for name in getattr(self.pixels, "extra_shapes", {})}
+        return {
             "pixel_values": torch.from_numpy(raw["pixels"]),
             "image_sample_index": torch.repeat_interleave(torch.arange(len(counts)), counts),
+            **extras,
         }
 
     def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -83,7 +83,8 @@ class InterleavedText:
     Args:
         tokenizer: a loaded ``transformers`` tokenizer. name: its name, for messages.
         max_text_len: tokens a row, placeholders included; shorter documents are padded.
-        num_image_tokens: placeholders an image becomes.
+        num_image_tokens: placeholders an image becomes; ``None``: each image's count is given with
+            the document (a processor whose count depends on the image's size).
         image_token: the image token's text (one token of ``tokenizer``, e.g. ``"<image>"``).
         separator: between two adjacent texts.
         loss_before_first_image: whether the text before a document's first image takes loss.
@@ -95,7 +96,7 @@ class InterleavedText:
         tokenizer: Any,
         name: str,
         max_text_len: int,
-        num_image_tokens: int,
+        num_image_tokens: int | None,
         image_token: str,
         separator: str = "\n\n",
         loss_before_first_image: bool = True,
@@ -106,7 +107,7 @@ class InterleavedText:
         token_id = tokenizer.convert_tokens_to_ids(image_token)
         if token_id is None or token_id == tokenizer.unk_token_id:
             raise ValueError(f"image_token {image_token!r} is not a token of tokenizer {name!r}")
-        if num_image_tokens < 1:
+        if num_image_tokens is not None and num_image_tokens < 1:
             raise ValueError(f"num_image_tokens must be at least 1 for interleaved documents, got {num_image_tokens}")
         self.tokenizer, self.max_text_len, self.num_image_tokens = tokenizer, max_text_len, num_image_tokens
         self.image_token, self.image_token_id = image_token, int(token_id)
@@ -132,9 +133,22 @@ class InterleavedText:
             out.append(part)
         return "".join(out)
 
-    def lengths(self, documents: list[list[str | None]]) -> list[int | BadSample]:
+    def _counts(self, counts: list[int] | None, images: int) -> list[int]:
+        """Placeholders of each of a document's ``images``: ``counts``, or the fixed count."""
+        if counts is None:
+            if self.num_image_tokens is None:
+                raise ValueError("each image's number of placeholders is needed (num_image_tokens=None)")
+            return [self.num_image_tokens] * images
+        if len(counts) != images:
+            raise BadSample(f"its text holds {images} image tokens for {len(counts)} images")
+        return list(counts)
+
+    def lengths(
+        self, documents: list[list[str | None]], counts: list[list[int] | None] | None = None
+    ) -> list[int | BadSample]:
         """Tokens each document takes whole (BOS, text, placeholders, EOS), in one tokenizer call for
-        them all; a document that cannot be rendered gets its ``BadSample``."""
+        them all (``counts``: each document's placeholders an image, where not fixed); a document
+        that cannot be rendered gets its ``BadSample``."""
         rendered: list[str | BadSample] = []
         for parts in documents:
             try:
@@ -144,41 +158,51 @@ class InterleavedText:
         texts = [r for r in rendered if isinstance(r, str)]
         ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
         out: list[int | BadSample] = []
-        for r in rendered:
+        for at, r in enumerate(rendered):
             if isinstance(r, BadSample):
                 out.append(r)
                 continue
             tokens = next(ids)
-            widened = (self.num_image_tokens - 1) * tokens.count(self.image_token_id)
+            images = tokens.count(self.image_token_id)
+            try:
+                widened = sum(self._counts(None if counts is None else counts[at], images)) - images
+            except BadSample as err:
+                out.append(err)
+                continue
             out.append(len(self.bos) + len(tokens) + widened + 1)
         return out
 
-    def encode(self, parts: list[str | None]) -> tuple[dict[str, np.ndarray], int]:
+    def encode(self, parts: list[str | None], counts: list[int] | None = None) -> tuple[dict[str, np.ndarray], int]:
         """The row's arrays ``[max_text_len]`` and how many of the document's images it holds (the
-        first ones: an image cut off leaves out the rest of the document)."""
+        first ones: an image cut off leaves out the rest of the document). ``counts``: placeholders
+        of each image, where not fixed."""
         rendered = self.tokenizer(self.render(parts), add_special_tokens=False)["input_ids"]
+        widths = iter(self._counts(counts, rendered.count(self.image_token_id)))
         ids: list[int] = list(self.bos)
-        is_image: list[bool] = [False] * len(ids)
+        image_of: list[int] = [-1] * len(ids)  # the image each token belongs to, -1: text
+        image = 0
         for token in rendered:
             if token == self.image_token_id:
-                ids += [token] * self.num_image_tokens
-                is_image += [True] * self.num_image_tokens
+                width = next(widths)
+                ids += [token] * width
+                image_of += [image] * width
+                image += 1
             else:
                 ids.append(token)
-                is_image.append(False)
+                image_of.append(-1)
         ids.append(self.eos_id)
-        is_image.append(False)
+        image_of.append(-1)
         length = self.max_text_len
         cut = min(len(ids), length)
-        if cut < len(ids) and is_image[cut - 1]:
-            while cut > 0 and is_image[cut - 1]:  # back to the start of the image cut through
+        if cut < len(ids) and image_of[cut - 1] >= 0 and image_of[cut] == image_of[cut - 1]:
+            while cut > 0 and image_of[cut - 1] == image_of[cut]:  # back to the start of the image cut through
                 cut -= 1
-        images = sum(is_image[:cut]) // self.num_image_tokens
+        images = max(image_of[:cut], default=-1) + 1
         input_ids = np.full(length, self.pad_id, dtype=np.int32)
         labels = np.full(length, IGNORE_INDEX, dtype=np.int32)
         attention = np.zeros(length, dtype=bool)
         input_ids[:cut], attention[:cut] = ids[:cut], True
-        text = ~np.array(is_image[:cut], dtype=bool)
+        text = np.array(image_of[:cut], dtype=np.int64) < 0
         if not self.loss_before_first_image and not text.all():
             text[: int(np.argmin(text))] = False  # no loss on what precedes the first image
         targets = np.flatnonzero(text[1:]) + 1  # positions whose token is a target of the one before
