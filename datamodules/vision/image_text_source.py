@@ -17,6 +17,7 @@ from datamodules.plan.loader import SourceSpec
 from datamodules.plan.parallelism import Job
 from datamodules.storage.remote_files import RemoteFiles
 from datamodules.storage.sample_table import IndexedShards
+from datamodules.vision.conversation_text import ConversationText
 from datamodules.vision.image_text_samples import ImageTextFields, ImageTextSamples
 from datamodules.vision.images import CLIP_MEAN, CLIP_STD, RESIZE_MODES, ImagePixels
 from datamodules.vision.interleaved_rows import InterleavedRows
@@ -304,11 +305,16 @@ class ImageTextSource(SourceSpec):
         text = None
         if self.layout != "pairs":
             image_token = self.image_token or pixels.image_token  # a processor's, where no image_token is given
-            text = InterleavedText(
-                labels.tokenizer, self.tokenizer or self.processor, seq_len,
-                None if getattr(pixels, "dynamic", False) else labels.num_image_tokens, image_token,
-                self.separator, self.loss_before_first_image, self.add_bos,
-            )  # fmt: skip
+            count = None if getattr(pixels, "dynamic", False) else labels.num_image_tokens
+            name = self.tokenizer or self.processor
+            if self.layout == "chat":  # the processor's chat template, else the tokenizer's own
+                template = pixels.chat_template if isinstance(pixels, ProcessorInputs) else None
+                text = ConversationText(labels.tokenizer, name, seq_len, count, image_token, template)
+            else:
+                text = InterleavedText(
+                    labels.tokenizer, name, seq_len, count, image_token, self.separator,
+                    self.loss_before_first_image, self.add_bos,
+                )  # fmt: skip
             options.update(layout=self.layout, max_images=self.max_images, separator=self.separator)
             options.update(loss_before_first_image=self.loss_before_first_image)
             if pack_sequences:

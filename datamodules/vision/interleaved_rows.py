@@ -77,41 +77,44 @@ class InterleavedRows(InterleavedSamples):
         for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
             rows = self.split.rows(np.arange(start, min(n, start + _MEASURED_AT_ONCE))).tolist()
             table = columns[rows]
-            parts: list[list[str | None]] = []
-            counts: list[list[int] | None] = []
+            parts: list[Any] = []
+            counts: list[list[int]] = []
+            measured: list[int] = []  # the documents whose length is measured: the rest are unfit already
             for at, (texts, found) in enumerate(zip(table[self.texts_field], table[self.images_field], strict=True)):
                 try:
                     document, their_images = self.parts_of(texts, found)
-                    counts.append(self.image_counts(their_images) if len(their_images) <= self.max_images else None)
+                    images[start + at] = len(their_images)
+                    if len(their_images) > self.max_images:
+                        unfit[start + at] = 2
+                        continue
+                    counts.append(self.image_counts(their_images))
                 except BadSample:
                     unfit[start + at] = 1
-                    document, their_images = [], []
-                    counts.append(None)
+                    continue
                 parts.append(document)
-                images[start + at] = len(their_images)
-            for at, length in enumerate(self.text.lengths(parts, counts if self.dynamic else None)):
+                measured.append(start + at)
+            for at, length in zip(measured, self.text.lengths(parts, counts), strict=True):
                 if isinstance(length, BadSample):
-                    unfit[start + at] = 1
+                    unfit[at] = 1
                 else:
-                    lengths[start + at] = length
-        unfit[(unfit == 0) & (images > self.max_images)] = 2
+                    lengths[at] = length
         unfit[(unfit == 0) & (lengths > self.total_seq_len)] = 3
         if self.max_images_per_row is not None:
             unfit[(unfit == 0) & (images > self.max_images_per_row)] = 4
         return {"lengths": lengths, "images": images, "unfit": unfit}
 
     def _why(self, index: int, code: int) -> str:
-        """Why document ``index`` cannot be packed, in words."""
-        if code == 1:
-            try:
-                parts, _ = self._row(index)
-                self.text.render(parts)
-            except BadSample as err:
-                return str(err)
-        if code in (2, 4):
-            limit = f"max_images={self.max_images}" if code == 2 else f"max_images_per_row={self.max_images_per_row}"
-            return f"it holds {len(self._row(index)[1])} images, more than {limit}"
-        length = self.text.lengths([self._row(index)[0]])[0]
+        """Why document ``index`` cannot be packed (``UNFIT``'s ``code``), in words."""
+        try:
+            parts, images = self._row(index)
+            if code in (2, 4):
+                most = f"max_images={self.max_images}" if code == 2 else f"max_images_per_row={self.max_images_per_row}"
+                return f"it holds {len(images)} images, more than {most}"
+            (length,) = self.text.lengths([parts], [self.image_counts(images)])
+        except BadSample as err:
+            return str(err)
+        if isinstance(length, BadSample):
+            return str(length)
         return f"it takes {length} tokens, more than a row's {self.total_seq_len} (max_text_len)"
 
     def _refuse_or_log(self, unfit: np.ndarray) -> None:

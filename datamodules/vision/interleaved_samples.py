@@ -15,6 +15,7 @@ from datamodules.plan.held_out import RowSplit
 from datamodules.storage.locations import is_url
 from datamodules.storage.remote_files import LOCAL_FILES, RemoteFiles, url_key
 from datamodules.vision.bad_samples import sample_or_replacement
+from datamodules.vision.conversation_text import chat_parts
 from datamodules.vision.images import ImagePixels, image_reference, image_size, read_image
 from datamodules.vision.interleaved_text import DOCUMENT_PARTS, InterleavedText
 from datamodules.vision.planned_files import PlannedFiles
@@ -50,7 +51,7 @@ class InterleavedSamples(PlannedFiles):
         files: RemoteFiles = LOCAL_FILES,
     ) -> None:
         self.dataset, self.split, self.layout = dataset, split, layout
-        self.parts_of = DOCUMENT_PARTS[layout]
+        self.parts_of = chat_parts if layout == "chat" else DOCUMENT_PARTS[layout]
         self.texts_field, self.images_field, self.file_column = texts_field, images_field, images_field
         self.pixels, self.text, self.max_images = pixels, text, max_images
         self.on_bad_sample, self.name, self.details = on_bad_sample, name, details
@@ -99,11 +100,11 @@ class InterleavedSamples(PlannedFiles):
         """Whether an image's placeholders and pixel rows depend on its size (the processor's rule)."""
         return isinstance(self.pixels, ProcessorInputs) and self.pixels.dynamic
 
-    def image_counts(self, images: list[Any]) -> list[int] | None:
-        """Placeholders of each of a document's images by their sizes (read from their headers)
-        where the processor's count depends on them; ``None`` where it is fixed."""
+    def image_counts(self, images: list[Any]) -> list[int]:
+        """Placeholders of each of a document's images: the fixed count, or by their sizes (read from
+        their headers) where the processor's count depends on them."""
         if not self.dynamic:
-            return None
+            return [self.text.num_image_tokens] * len(images)
         return self.pixels.token_counts([image_size(*image_reference(v), self.files) for v in images])
 
     def _read(self, index: int, key: int) -> tuple[list[np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -113,10 +114,11 @@ class InterleavedSamples(PlannedFiles):
             raise BadSample(f"it holds {len(images)} images, more than max_images={self.max_images}")
         if isinstance(self.pixels, ProcessorInputs):  # the processor's pixels, all of the document's at once
             decoded = [read_image(*image_reference(v), files=self.files) for v in images]
-            counts = self.pixels.token_counts([image.size for image in decoded]) if self.dynamic else None
+            fixed = [self.text.num_image_tokens] * len(images)
+            counts = self.pixels.token_counts([image.size for image in decoded]) if self.dynamic else fixed
             arrays, kept = self.text.encode(parts, counts)
             return *self.pixels.processed(decoded[:kept]), arrays
-        arrays, kept = self.text.encode(parts)
+        arrays, kept = self.text.encode(parts, self.image_counts(images))
         # A JPEG decoded at a reduced DCT scale where the size allows.
         draft = self.pixels.draft_size
         return [self.pixels(read_image(*image_reference(v), draft, self.files)) for v in images[:kept]], {}, arrays

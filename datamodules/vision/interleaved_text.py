@@ -18,7 +18,7 @@ from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.loader import IGNORE_INDEX
 from datamodules.vision.prompt_labels import pad_token_id
 
-LAYOUTS = ("obelics", "mmc4")
+LAYOUTS = ("obelics", "mmc4", "chat")  # chat: conversations with images (conversation_text)
 IMAGE = None  # an image's place among a document's parts
 
 
@@ -143,12 +143,10 @@ class InterleavedText:
             raise BadSample(f"its text holds {images} image tokens for {len(counts)} images")
         return list(counts)
 
-    def lengths(
-        self, documents: list[list[str | None]], counts: list[list[int] | None] | None = None
-    ) -> list[int | BadSample]:
-        """Tokens each document takes whole (BOS, text, placeholders, EOS), in one tokenizer call for
-        them all (``counts``: each document's placeholders an image, where not fixed); a document
-        that cannot be rendered gets its ``BadSample``."""
+    def _token_lists(self, documents: list[Any]) -> list[tuple[list[int], list[bool]] | BadSample]:
+        """Each document's token ids before its images are widened (BOS, the rendered text, EOS),
+        and which of them may be a target; one that cannot be rendered gets its ``BadSample``. One
+        tokenizer call for them all."""
         rendered: list[str | BadSample] = []
         for parts in documents:
             try:
@@ -157,41 +155,57 @@ class InterleavedText:
                 rendered.append(err)
         texts = [r for r in rendered if isinstance(r, str)]
         ids = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-        out: list[int | BadSample] = []
-        for at, r in enumerate(rendered):
+        out: list[tuple[list[int], list[bool]] | BadSample] = []
+        for r in rendered:
             if isinstance(r, BadSample):
                 out.append(r)
+            else:
+                tokens = [*self.bos, *next(ids), self.eos_id]
+                out.append((tokens, [True] * len(tokens)))
+        return out
+
+    def lengths(self, documents: list[Any], counts: list[list[int] | None] | None = None) -> list[int | BadSample]:
+        """Tokens each document takes whole (placeholders included), ``counts`` its images'
+        placeholders each (``None``: the fixed count); one that cannot be rendered, or whose
+        image tokens are not its images, gets its ``BadSample``."""
+        out: list[int | BadSample] = []
+        for at, tokens in enumerate(self._token_lists(documents)):
+            if isinstance(tokens, BadSample):
+                out.append(tokens)
                 continue
-            tokens = next(ids)
-            images = tokens.count(self.image_token_id)
+            images = tokens[0].count(self.image_token_id)
             try:
-                widened = sum(self._counts(None if counts is None else counts[at], images)) - images
+                widths = self._counts(None if counts is None else counts[at], images)
             except BadSample as err:
                 out.append(err)
                 continue
-            out.append(len(self.bos) + len(tokens) + widened + 1)
+            out.append(len(tokens[0]) + sum(widths) - images)
         return out
 
-    def encode(self, parts: list[str | None], counts: list[int] | None = None) -> tuple[dict[str, np.ndarray], int]:
+    def encode(self, parts: Any, counts: list[int] | None = None) -> tuple[dict[str, np.ndarray], int]:
         """The row's arrays ``[max_text_len]`` and how many of the document's images it holds (the
         first ones: an image cut off leaves out the rest of the document). ``counts``: placeholders
-        of each image, where not fixed."""
-        rendered = self.tokenizer(self.render(parts), add_special_tokens=False)["input_ids"]
+        of each image (``None``: the fixed count)."""
+        tokens = self._token_lists([parts])[0]
+        if isinstance(tokens, BadSample):
+            raise tokens
+        rendered, targets = tokens
         widths = iter(self._counts(counts, rendered.count(self.image_token_id)))
-        ids: list[int] = list(self.bos)
-        image_of: list[int] = [-1] * len(ids)  # the image each token belongs to, -1: text
+        ids: list[int] = []
+        image_of: list[int] = []  # the image each token belongs to, -1: text
+        target: list[bool] = []
         image = 0
-        for token in rendered:
+        for token, may in zip(rendered, targets, strict=True):
             if token == self.image_token_id:
                 width = next(widths)
                 ids += [token] * width
                 image_of += [image] * width
+                target += [False] * width
                 image += 1
             else:
                 ids.append(token)
                 image_of.append(-1)
-        ids.append(self.eos_id)
-        image_of.append(-1)
+                target.append(may)
         length = self.max_text_len
         cut = min(len(ids), length)
         if cut < len(ids) and image_of[cut - 1] >= 0 and image_of[cut] == image_of[cut - 1]:
@@ -202,9 +216,9 @@ class InterleavedText:
         labels = np.full(length, IGNORE_INDEX, dtype=np.int32)
         attention = np.zeros(length, dtype=bool)
         input_ids[:cut], attention[:cut] = ids[:cut], True
-        text = np.array(image_of[:cut], dtype=np.int64) < 0
-        if not self.loss_before_first_image and not text.all():
-            text[: int(np.argmin(text))] = False  # no loss on what precedes the first image
+        text = np.array(target[:cut], dtype=bool)
+        if not self.loss_before_first_image and image:
+            text[: image_of.index(0)] = False  # no loss on what precedes the first image
         targets = np.flatnonzero(text[1:]) + 1  # positions whose token is a target of the one before
         labels[targets - 1] = input_ids[targets]
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention}, images
