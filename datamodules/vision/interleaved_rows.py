@@ -73,16 +73,16 @@ class InterleavedRows(InterleavedSamples):
         lengths = np.zeros(n, dtype=np.int32)
         images = np.zeros(n, dtype=np.int32)
         unfit = np.zeros(n, dtype=np.int8)
-        columns = self.dataset.select_columns([self.texts_field, self.images_field])
         for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
             rows = self.split.rows(np.arange(start, min(n, start + _MEASURED_AT_ONCE))).tolist()
-            table = columns[rows]
             parts: list[Any] = []
             counts: list[list[int]] = []
             measured: list[int] = []  # the documents whose length is measured: the rest are unfit already
-            for at, (texts, found) in enumerate(zip(table[self.texts_field], table[self.images_field], strict=True)):
+            for at, row in enumerate(self._texts_and_images(rows)):
                 try:
-                    document, their_images = self.parts_of(texts, found)
+                    if isinstance(row, BadSample):
+                        raise row
+                    document, their_images = self.parts_of(*row)
                     images[start + at] = len(their_images)
                     if len(their_images) > self.max_images:
                         unfit[start + at] = 2
@@ -102,6 +102,23 @@ class InterleavedRows(InterleavedSamples):
         if self.max_images_per_row is not None:
             unfit[(unfit == 0) & (images > self.max_images_per_row)] = 4
         return {"lengths": lengths, "images": images, "unfit": unfit}
+
+    def _texts_and_images(self, rows: list[int]) -> list[tuple[Any, Any] | BadSample]:
+        """The texts and images fields of dataset ``rows`` (one read for them all); a tar sample
+        that cannot be read gets its ``BadSample``."""
+        fields = [self.texts_field, self.images_field]
+        if hasattr(self.dataset, "select_columns"):
+            table = self.dataset.select_columns(fields)[rows]
+            return list(zip(table[self.texts_field], table[self.images_field], strict=True))
+        self.dataset.prefetch(rows)  # tar shards' samples: their ranges requested together
+        out: list[tuple[Any, Any] | BadSample] = []
+        for row in rows:
+            try:
+                found = self.dataset[row]
+                out.append((found[self.texts_field], found[self.images_field]))
+            except BadSample as err:
+                out.append(err)
+        return out
 
     def _why(self, index: int, code: int) -> str:
         """Why document ``index`` cannot be packed (``UNFIT``'s ``code``), in words."""

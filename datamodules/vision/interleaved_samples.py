@@ -73,14 +73,20 @@ class InterleavedSamples(PlannedFiles):
         return self.pixels.pixel_shape if isinstance(self.pixels, ProcessorInputs) else self.pixels.shape
 
     def describe(self, index: int) -> str:
-        return f"{self.name} row {int(self.split.rows(np.array([index]))[0])}"
+        row = int(self.split.rows(np.array([index]))[0])
+        if hasattr(self.dataset, "describe"):  # tar shards: the sample's shard and key
+            return f"{self.name} sample {self.dataset.describe(row)}"
+        return f"{self.name} row {row}"
 
     def _row(self, index: int) -> tuple[list[str | None], list[Any]]:
         row = self.dataset[int(self.split.rows(np.array([index]))[0])]
         return self.parts_of(row[self.texts_field], row[self.images_field])
 
     def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
-        """The ``url_key`` of each document's images read by URL (``[documents, max_images]``)."""
+        """The ``url_key`` of each document's images read by URL (``[documents, max_images]``); for
+        tar shards in a bucket, the ``range_key`` of each document's sample."""
+        if hasattr(self.dataset, "file_keys"):
+            return super().file_keys(indices, passes)
         keys = np.zeros((len(indices), self.max_images), dtype=np.uint64)
         for r, index in enumerate(np.asarray(indices).tolist()):
             try:

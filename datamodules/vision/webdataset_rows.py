@@ -54,7 +54,8 @@ class WebDatasetRows:
     """The samples of indexed tar shards, with ``fields`` chosen by key: ``{"image": "jpg;png",
     "text": "txt", "prompt": "json:prompt"}``: the first of a field's choices the sample has;
     ``"json:NAME"`` takes ``NAME`` from the sample's ``.json`` member. The fields named in ``media``
-    are given as bytes, the others as text."""
+    are given as bytes, the others as text; a media field taken from the ``.json`` is a list naming
+    the sample's image members in order (an interleaved document's), each given as bytes."""
 
     def __init__(
         self, shards: IndexedShards, fields: dict[str, str], media: tuple[str, ...], files: RemoteFiles = LOCAL_FILES
@@ -171,7 +172,7 @@ class WebDatasetRows:
             name, json_name = picked
             found = members[name]
             data = span[found.data : found.data + found.size]
-            if field in self.media:
+            if field in self.media and json_name is None:
                 out[field] = {"bytes": data, "path": f"{self.describe(row)}.{name}"}
             elif json_name is not None:
                 try:
@@ -180,13 +181,32 @@ class WebDatasetRows:
                     raise BadSample(f"its {name} member is not JSON ({err})") from None
                 if not isinstance(value, dict):
                     raise BadSample(f"its {name} member is a JSON {type(value).__name__}, not an object")
-                out[field] = value.get(json_name)
+                value = value.get(json_name)
+                out[field] = self._named_members(row, span, members, value, name) if field in self.media else value
             else:
                 try:
                     out[field] = data.decode("utf-8")
                 except UnicodeDecodeError as err:
                     raise BadSample(f"its {name} member is not UTF-8 text ({err})") from None
         return out
+
+    def _named_members(self, row: int, span: bytes, members: dict[str, Member], value: Any, where: str) -> Any:
+        """A ``.json`` list naming the sample's image members in document order (``["0.jpg", null,
+        "1.png"]``, OBELICS's; or entries ``{"image": "0.jpg", ...}``, MMC4's), each name as the
+        member's ``{"bytes", "path"}``; the sample's key before a name is optional."""
+
+        def member(name: Any) -> Any:
+            if not isinstance(name, str):
+                return name
+            field = name.removeprefix(f"{self.shards.key(row)}.").lower()
+            if field not in members:
+                raise BadSample(f"its {where} names member {name!r}, which it does not have")
+            found = members[field]
+            return {"bytes": span[found.data : found.data + found.size], "path": f"{self.describe(row)}.{field}"}
+
+        if not isinstance(value, list):
+            raise BadSample(f"its {where}'s image list is a {type(value).__name__}, not a list of member names")
+        return [{**v, "image": member(v.get("image"))} if isinstance(v, dict) else member(v) for v in value]
 
 
 def _choice(text: str) -> tuple[str, str | None]:

@@ -9,6 +9,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ from examples.tiny_vlm import TinyInterleavedVLM
 from tests.distributed_support import train_record
 from tests.support import fit_records, row_digest, sample_digests
 from tests.vision.image_data import tokenizer_for
-from tests.vision.test_interleaved import IMAGE_TOKEN, SIDE, color, datamodule, obelics
+from tests.vision.test_interleaved import IMAGE_TOKEN, SIDE, color, datamodule, obelics, png
 
 ROW = 192  # tokens a packed row
 CAP = 10  # images a row
@@ -255,3 +256,20 @@ def test_packing_options_that_cannot_hold_are_refused_with_the_value(tmp_path: P
         packed(folder, tokenizer, max_images=1, max_images_per_row=None)
     with pytest.raises(ValueError, match=r"row 0: .*more than max_images_per_row=1.*4 over the row's image cap"):
         packed(folder, tokenizer, max_images=2, max_images_per_row=1)
+
+
+def test_an_image_index_out_of_range_is_refused_at_setup_naming_it_or_left_out_counted(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    good = [{"image": {"bytes": png(1), "path": None}, "matched_text_index": 0}]
+    rows = {
+        "texts": [["a sentence", "another"]] * 8,
+        "images": [good] * 3 + [[{"image": {"bytes": png(2), "path": None}, "matched_text_index": 5}]] + [good] * 4,
+    }
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "mmc4")
+    with pytest.raises(ValueError, match=r"mmc4:train row 3: its image 0 has matched_text_index 5.*1 malformed"):
+        packed(tmp_path / "mmc4", tokenizer, layout="mmc4", max_text_len=24, batch_size=1)
+    dm = packed(tmp_path / "mmc4", tokenizer, layout="mmc4", on_bad_sample="skip", max_text_len=24, batch_size=1)
+    rows_ = np.arange(len(dm._train))
+    placed = np.concatenate(dm._train.documents(rows_, np.zeros(len(rows_), dtype=np.int64)))
+    assert dm._train.left_out == 1 and sorted(placed.tolist()) == [0, 1, 2, 4, 5, 6, 7]
