@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.plan.multipack import PackedRows, row_layout
+from datamodules.plan.multipack import PackedRows, narrow_indices, row_layout
 from datamodules.storage.node_arrays import node_arrays
 from datamodules.vision.interleaved_samples import InterleavedSamples
 
@@ -53,15 +53,13 @@ class InterleavedRows(InterleavedSamples):
         self.max_images_per_row = max_images_per_row
         identity = (self.fingerprint, self.split.first, len(self.split))
         self.shared_as = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
-        measured = node_arrays(COSTS_KIND, self.shared_as, self._measure)
-        self.kept = np.flatnonzero(measured["unfit"] == 0)
-        self.lengths = measured["lengths"][self.kept]
-        self.images = measured["images"][self.kept]
-        self.left_out = len(measured["unfit"]) - len(self.kept)
+        unfit = node_arrays(COSTS_KIND, f"{self.shared_as}/measured", self._measure)["unfit"]
+        self.left_out = int(np.count_nonzero(unfit))
         if self.left_out:
-            self._refuse_or_log(measured["unfit"])
-        if not len(self.kept):
+            self._refuse_or_log(unfit)
+        if self.left_out == len(unfit):
             raise ValueError(f"{self.name}: no document can be packed into rows of {self.total_seq_len} tokens")
+        self._tables: dict[str, np.ndarray] | None = None
         self._packed: PackedRows | None = None
         packed = self.packed
         self.fingerprint = f"{self.fingerprint}:packed:{packed.fingerprint}"
@@ -147,6 +145,32 @@ class InterleavedRows(InterleavedSamples):
         log.warning("%s: left out %d of %d documents (%s), e.g. %s", self.name, len(bad), len(unfit), kinds, example)
 
     @property
+    def tables(self) -> dict[str, np.ndarray]:
+        """The documents packed (``kept``, indices of this split), their ``lengths`` and ``images``:
+        the node's arrays, mapped (a process holds none of its own)."""
+        if self._tables is None:
+
+            def make() -> dict[str, np.ndarray]:
+                measured = node_arrays(COSTS_KIND, f"{self.shared_as}/measured", self._measure)
+                kept = np.flatnonzero(measured["unfit"] == 0)
+                return {"kept": narrow_indices(kept), **{k: measured[k][kept] for k in ("lengths", "images")}}
+
+            self._tables = node_arrays(COSTS_KIND, f"{self.shared_as}/kept", make)
+        return self._tables
+
+    @property
+    def kept(self) -> np.ndarray:
+        return self.tables["kept"]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.tables["lengths"]
+
+    @property
+    def images(self) -> np.ndarray:
+        return self.tables["images"]
+
+    @property
     def packed(self) -> PackedRows:
         """The documents' packing, every pass's computed once on the node."""
         if self._packed is None:
@@ -158,7 +182,7 @@ class InterleavedRows(InterleavedSamples):
         return self._packed
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_packed": None}  # a worker maps the node's packing itself
+        return {**self.__dict__, "_packed": None, "_tables": None}  # a worker maps the node's arrays itself
 
     def __len__(self) -> int:
         return len(self.packed)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from datamodules import ImageTextDataModule
+from datamodules.storage.node_arrays import is_mapped
 from examples.tiny_vlm import TinyInterleavedVLM
 from tests.distributed_support import train_record
 from tests.support import fit_records, row_digest, sample_digests
@@ -84,6 +85,8 @@ def test_rows_hold_whole_documents_within_the_budget_and_cap_each_once_a_pass(
     train = dm._train
     rows = len(train)
     assert train.left_out == 0
+    # The per-document tables are the node's, mapped: a rank or worker holds none of its own.
+    assert all(is_mapped(a) for a in (train.kept, train.lengths, train.images))
     for pass_ in (0, 1):
         batch = raw_rows(dm, np.arange(rows), np.full(rows, pass_))
         placed = train.documents(np.arange(rows), np.full(rows, pass_))
