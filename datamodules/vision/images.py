@@ -34,6 +34,18 @@ def image_reference(value: Any) -> tuple[bytes | None, str | None]:
     raise BadSample(f"its image is a {type(value).__name__}, not bytes or a path")
 
 
+def image_bytes(data: bytes | None, path: str | None, files: RemoteFiles = LOCAL_FILES) -> bytes:
+    """``data``, or (where it is ``None``) the bytes of the file at ``path``, local or a URL."""
+    if data is not None:
+        return data
+    if path is None:
+        raise BadSample("the image is null (no bytes and no path)")
+    try:
+        return files.read_bytes(path)
+    except OSError as err:
+        raise BadSample(f"cannot read image file {path}: {err.strerror or err}") from None
+
+
 def read_image(
     data: bytes | None, path: str | None, draft_size: int | None = None, files: RemoteFiles = LOCAL_FILES
 ) -> Image.Image:
@@ -48,13 +60,7 @@ def read_image(
     ``draft_size``: a JPEG may be decoded at a reduced DCT scale (1/2, 1/4, 1/8) while both sides
     stay at least this large, several times cheaper than a full decode before a downscale.
     """
-    if data is None:
-        if path is None:
-            raise BadSample("the image is null (no bytes and no path)")
-        try:
-            data = files.read_bytes(path)
-        except OSError as err:
-            raise BadSample(f"cannot read image file {path}: {err.strerror or err}") from None
+    data = image_bytes(data, path, files)
     if not data:
         raise BadSample("the image file is empty (0 bytes)")
     try:
@@ -77,13 +83,7 @@ def read_image(
 def image_size(data: bytes | None, path: str | None, files: RemoteFiles = LOCAL_FILES) -> tuple[int, int]:
     """``(width, height)`` of the image ``read_image`` gives, from its header alone (the EXIF
     orientation applied): no pixel is decoded."""
-    if data is None:
-        if path is None:
-            raise BadSample("the image is null (no bytes and no path)")
-        try:
-            data = files.read_bytes(path)
-        except OSError as err:
-            raise BadSample(f"cannot read image file {path}: {err.strerror or err}") from None
+    data = image_bytes(data, path, files)
     try:
         image = Image.open(io.BytesIO(data))
         turned = image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8)  # a quarter turn: sides swap
