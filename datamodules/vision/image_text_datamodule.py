@@ -24,7 +24,8 @@ class ImageTextDataModule(PlanDataModule):
     decoded in the DataLoader's workers. Order, exact O(1) and elastic resume are the plan's.
     Interleaved documents (``layout="obelics"`` or ``"mmc4"``): a row a document, ``pixel_values``
     ``[N, 3, H, W]`` for the batch's images in order and ``image_sample_index`` ``[N]``, labels on
-    text tokens only.
+    text tokens only; conversations with images (``layout="chat"``): labels on the assistant's
+    tokens; either packed several a row with ``pack_sequences``.
 
     Args:
         path, tokenizer, processor, name, split, data_files, image_field, text_field, prompt_field,

@@ -98,7 +98,15 @@ class ImageTextSource(SourceSpec):
             texts in order (``separator`` between two), each image its run of placeholders
             (``image_token``, needed; ``num_image_tokens`` of them, or the processor's); batches then
             carry ``pixel_values`` ``[N, 3, H, W]`` for the batch's ``N`` images, in order, and
-            ``image_sample_index`` ``[N]``, the row of each.
+            ``image_sample_index`` ``[N]``, the row of each. ``"chat"``: a row is a conversation,
+            ``text_field`` its messages (OpenAI ``[{role, content}]`` or ShareGPT ``[{from, value}]``),
+            contents with ``{"type": "image"}`` parts where images go, ``image_field`` its images in
+            that order; rendered by the processor's chat template (else the tokenizer's), labels
+            on the assistant's tokens only. A tar sample's ``.json`` may hold a document's order,
+            its image list naming the sample's members (``image_field="json:images"``). A processor
+            whose image-token count depends on the image's size (Qwen2-VL) is taken by these layouts:
+            ``pixel_values`` are then its rows of patches, with its per-image outputs
+            (``image_grid_thw``) beside them.
         max_images: with an interleaved layout, the most images a document may hold (more is a bad
             sample); documents cut at ``max_text_len`` keep their first images whose placeholders fit.
         separator: with an interleaved layout, the text between two adjacent texts.
