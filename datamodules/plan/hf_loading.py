@@ -196,6 +196,23 @@ def _without_download_count(path: str) -> Iterator[None]:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
 
 
+@contextlib.contextmanager
+def tokenizer_threads() -> Iterator[None]:
+    """Fast tokenizers on every core in this block (a one-off pass over a dataset in the main process,
+    before any DataLoader worker), back on one thread after it: a process forked later finds
+    ``TOKENIZERS_PARALLELISM=false`` as ``load_pretrained`` set it, so the library neither warns nor
+    risks its thread pool across the fork."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
 def load_pretrained(kind: str, name: str, error: type[Exception] = ValueError) -> Any:
     """A ``transformers`` tokenizer (``kind="tokenizer"``) or processor (``"processor"``) by hub name or
     local path, with tokenizers on one thread: the DataLoader's workers are the parallelism."""

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from datamodules.plan.bad_samples import BadSample, BadSampleLog
+from datamodules.plan.hf_loading import tokenizer_threads
 from datamodules.plan.loader import IGNORE_INDEX
 from datamodules.plan.multipack import PackedRows, narrow_indices, row_layout
 from datamodules.storage.node_arrays import node_arrays
@@ -71,35 +72,40 @@ class InterleavedRows(InterleavedSamples):
         lengths = np.zeros(n, dtype=np.int32)
         images = np.zeros(n, dtype=np.int32)
         unfit = np.zeros(n, dtype=np.int8)
-        for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
-            rows = self.split.rows(np.arange(start, min(n, start + _MEASURED_AT_ONCE))).tolist()
-            parts: list[Any] = []
-            counts: list[list[int]] = []
-            measured: list[int] = []  # the documents whose length is measured: the rest are unfit already
-            for at, row in enumerate(self._texts_and_images(rows)):
-                try:
-                    if isinstance(row, BadSample):
-                        raise row
-                    document, their_images = self.parts_of(*row)
-                    images[start + at] = len(their_images)
-                    if len(their_images) > self.max_images:
-                        unfit[start + at] = 2
-                        continue
-                    counts.append(self.image_counts(their_images))
-                except BadSample:
-                    unfit[start + at] = 1
-                    continue
-                parts.append(document)
-                measured.append(start + at)
-            for at, length in zip(measured, self.text.lengths(parts, counts), strict=True):
-                if isinstance(length, BadSample):
-                    unfit[at] = 1
-                else:
-                    lengths[at] = length
+        with tokenizer_threads():  # the texts tokenized on every core: each batch in one call
+            for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
+                self._measure_batch(start, min(n, start + _MEASURED_AT_ONCE), lengths, images, unfit)
         unfit[(unfit == 0) & (lengths > self.total_seq_len)] = 3
         if self.max_images_per_row is not None:
             unfit[(unfit == 0) & (images > self.max_images_per_row)] = 4
         return {"lengths": lengths, "images": images, "unfit": unfit}
+
+    def _measure_batch(self, start: int, stop: int, lengths: np.ndarray, images: np.ndarray, unfit: np.ndarray) -> None:
+        """``_measure`` of documents ``[start, stop)``, into its arrays."""
+        rows = self.split.rows(np.arange(start, stop)).tolist()
+        parts: list[Any] = []
+        counts: list[list[int]] = []
+        measured: list[int] = []  # the documents whose length is measured: the rest are unfit already
+        for at, row in enumerate(self._texts_and_images(rows)):
+            try:
+                if isinstance(row, BadSample):
+                    raise row
+                document, their_images = self.parts_of(*row)
+                images[start + at] = len(their_images)
+                if len(their_images) > self.max_images:
+                    unfit[start + at] = 2
+                    continue
+                counts.append(self.image_counts(their_images))
+            except BadSample:
+                unfit[start + at] = 1
+                continue
+            parts.append(document)
+            measured.append(start + at)
+        for at, length in zip(measured, self.text.lengths(parts, counts), strict=True):
+            if isinstance(length, BadSample):
+                unfit[at] = 1
+            else:
+                lengths[at] = length
 
     def _texts_and_images(self, rows: list[int]) -> list[tuple[Any, Any] | BadSample]:
         """The texts and images fields of dataset ``rows`` (one read for them all); a tar sample
