@@ -5,6 +5,7 @@ row equal to its loss on the documents one by one, documents that cannot be pack
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -85,6 +86,8 @@ def test_rows_hold_whole_documents_within_the_budget_and_cap_each_once_a_pass(
     train = dm._train
     rows = len(train)
     assert train.left_out == 0
+    # Measured on every core, then back to one thread before any worker forks.
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
     # The per-document tables are the node's, mapped: a rank or worker holds none of its own.
     assert all(is_mapped(a) for a in (train.kept, train.lengths, train.images))
     for pass_ in (0, 1):
