@@ -327,3 +327,41 @@ def test_hidden_state_files_are_cached_by_their_next_use(
     fetches, kept_out = simulate(order, sizes, budget, "belady")
     assert [p for p in fetched[0] + fetched[1] if p in sizes] == [p for p, f in zip(order, fetches, strict=True) if f]
     assert sum(fetches) < len(order) and kept_out
+
+
+def test_packed_documents_naming_images_by_url_are_cached_by_their_next_use(
+    tmp_path: Path, endpoint: str, by_url: tuple[Path, str, dict[str, int]]
+) -> None:
+    """Interleaved documents packed several a row, packed afresh every pass: the node's next uses of
+    each image come from every pass's rows; two epochs at half the budget fetch what Belady's rule
+    computes for the order the server saw, batches as uncached."""
+    from examples.default_images import SPECIAL_TOKENS
+
+    _, tokenizer, sizes = by_url
+    urls = [f"s3:/{path}" for path in sorted(sizes)]
+    documents = [[f"page {i} shows", urls[2 * i], "and then", urls[(2 * i + 5) % len(urls)]] for i in range(12)]
+    rows = {
+        "texts": [[p if not p.startswith("s3:") else None for p in d] for d in documents],
+        "images": [[p if p.startswith("s3:") else None for p in d] for d in documents],
+    }
+    datasets.Dataset.from_dict(rows).save_to_disk(tmp_path / "docs")
+    proxy = S3Proxy(endpoint)
+    try:
+        common = {**OPTIONS, "tokenizer": tokenizer, "layout": "obelics", "text_field": "texts",
+                  "image_field": "images", "image_token": SPECIAL_TOKENS["image_token"], "pack_sequences": True,
+                  "max_text_len": 48, "batch_size": 1, "storage_options": storage_options(proxy.url)}  # fmt: skip
+        dm = ImageTextDataModule(str(tmp_path / "docs"), **common)
+        want, first, second = epochs_fetched(dm, proxy)
+        order = first + second
+        assert sorted(first) == sorted(second) == sorted(sizes)  # each image read once a pass
+        rows_of = [dm._train.documents(list(range(len(dm._train))), [p] * len(dm._train)) for p in (0, 1)]
+        assert [r.tolist() for r in rows_of[0]] != [r.tolist() for r in rows_of[1]]  # packed afresh
+        budget = sum(sizes.values()) // 2
+        cache = {"file_cache_dir": str(tmp_path / "cache"), "file_cache_bytes": budget}
+        got, *fetched = epochs_fetched(ImageTextDataModule(str(tmp_path / "docs"), **common, **cache), proxy)
+    finally:
+        proxy.close()
+    same_batches(want, got)
+    fetches, _ = simulate(order, sizes, budget, "belady")
+    assert fetched[0] + fetched[1] == [item for item, fetch in zip(order, fetches, strict=True) if fetch]
+    assert sum(fetches) < len(order)
