@@ -187,6 +187,11 @@ class InterleavedRows(InterleavedSamples):
             )  # fmt: skip
         return self._packed
 
+    @property
+    def most_per_row(self) -> int:
+        """The most documents a row can hold (the length of ``cu_seqlens`` follows it)."""
+        return self.packed.most_per_row
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_packed": None, "_tables": None}  # a worker maps the node's arrays itself
 
@@ -246,7 +251,7 @@ class InterleavedRows(InterleavedSamples):
                     images.append((pixels, extras))
                     image_counts[b] += len(pixels)
                 lengths.append(placed)
-        raw.update(row_layout(lengths, length, self.packed.most_per_row))
+        raw.update(row_layout(lengths, length, self.most_per_row))
         raw.update(self.images_raw(images))
         raw["image_counts"] = image_counts
         return {**raw, **counts, "skipped": skipped}

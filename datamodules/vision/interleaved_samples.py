@@ -18,6 +18,7 @@ from datamodules.vision.bad_samples import sample_or_replacement
 from datamodules.vision.conversation_text import chat_parts
 from datamodules.vision.images import ImagePixels, image_reference, image_size, read_image
 from datamodules.vision.interleaved_text import DOCUMENT_PARTS, InterleavedText
+from datamodules.vision.joined_samples import JoinedDocuments
 from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.vlm_processor import ProcessorInputs
 
@@ -65,8 +66,17 @@ class InterleavedSamples(PlannedFiles):
         return len(self.split)
 
     @classmethod
-    def join(cls, parts: list[InterleavedSamples]) -> InterleavedSamples:
-        raise ValueError("interleaved documents are one source a DataModule: they are not mixed yet")
+    def join(cls, parts: list[InterleavedSamples]) -> JoinedDocuments:
+        if not all(isinstance(p, InterleavedSamples) for p in parts):
+            kinds = sorted({type(p).__name__ for p in parts})
+            raise ValueError(f"interleaved documents and conversations mix with each other only; got {kinds}")
+        return JoinedDocuments(parts)
+
+    @property
+    def shape_key(self) -> tuple[Any, ...]:
+        """What a batch's arrays depend on: mixed sources must agree on it."""
+        extras = tuple(sorted(getattr(self.pixels, "extra_shapes", {}).items()))
+        return (self.text.max_text_len, self.vocabulary, self.pixel_shape, self.pixels.normalization, extras)
 
     @property
     def pixel_shape(self) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from datamodules.plan.bad_samples import BadSampleLog
+from datamodules.plan.multipack import row_layout
 from datamodules.storage.file_cache import CacheStats
 from datamodules.storage.planned_reads import CACHE_COUNTS
 
@@ -100,3 +101,69 @@ class JoinedSamples:
 
     def on_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.parts[0].on_device(batch)  # the parts normalize alike (``shape_key``)
+
+
+class JoinedDocuments(JoinedSamples):
+    """Interleaved documents and conversations with images of several sources, one after another (a
+    mixture's): all packed (``InterleavedRows``) or all one a row. A batch is read in runs of
+    consecutive samples of one source, in order, and the runs' rows and images put one after another,
+    so each row keeps its images (however many, of whatever size); packed rows' offsets are laid out
+    again for the whole batch."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        kinds = {type(p).__name__ for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(
+                "mixed interleaved sources are either all packed (pack_sequences=True) or all one document a "
+                f"row; got {sorted(kinds)}"
+            )
+        super().__init__(parts)
+        self.uses_passes = getattr(parts[0], "uses_passes", False)  # packed rows: packed afresh every pass
+        self.most_per_row = max(getattr(p, "most_per_row", 0) for p in parts)
+
+    def _runs(self, indices: np.ndarray) -> Iterator[tuple[int, slice, np.ndarray]]:
+        """``(part, span of indices, indices within the part)`` of each run of one part, in order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        which = np.searchsorted(self._ends, indices, side="right")
+        starts = np.concatenate([[0], self._ends[:-1]])
+        cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), len(indices)]
+        for first, stop in zip(cuts[:-1], cuts[1:], strict=True):
+            part = int(which[first])
+            yield part, slice(first, stop), indices[first:stop] - starts[part]
+
+    def file_keys(self, indices: np.ndarray, passes: np.ndarray | None = None) -> np.ndarray:
+        found = []
+        for part, span, within in self._runs(indices):
+            if getattr(self.parts[part], "plans_file_reads", False):
+                keys = self.parts[part].file_keys(within, None if passes is None else passes[span])
+                found.append((span, keys.reshape(len(within), -1)))
+        keys = np.zeros((len(indices), max((k.shape[1] for _, k in found), default=1)), dtype=np.uint64)
+        for span, part_keys in found:
+            keys[span, : part_keys.shape[1]] = part_keys
+        return keys
+
+    def fetch(
+        self,
+        indices: np.ndarray,
+        keys: np.ndarray,
+        passes: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        pieces = []
+        for part, span, within in self._runs(indices):
+            extra: dict[str, np.ndarray] = {} if passes is None or not self.uses_passes else {"passes": passes[span]}
+            if positions is not None and getattr(self.parts[part], "uses_positions", False):
+                extra["positions"] = positions[span]
+            raw = self.parts[part].fetch(within, keys[span], **extra)
+            if "error" in raw:
+                return raw
+            pieces.append(raw)
+        counts = [p.pop(CACHE_COUNTS) for p in pieces if CACHE_COUNTS in p]
+        laid_out = ("skipped", "cu_seqlens", "num_sequences", "max_seqlen")
+        joined = {key: np.concatenate([p[key] for p in pieces]) for key in pieces[0] if key not in laid_out}
+        if self.uses_passes:  # the offsets of the whole batch's documents
+            lengths = [np.bincount(row[row >= 0]).tolist() for row in joined["document_ids"]]
+            joined.update(row_layout(lengths, joined["input_ids"].shape[1], self.most_per_row))
+        if counts:
+            joined[CACHE_COUNTS] = np.sum(counts, axis=0)
+        return {**joined, "skipped": [entry for p in pieces for entry in p["skipped"]]}
