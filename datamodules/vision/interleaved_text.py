@@ -16,7 +16,7 @@ import numpy as np
 
 from datamodules.plan.bad_samples import BadSample
 from datamodules.plan.loader import IGNORE_INDEX
-from datamodules.vision.prompt_labels import pad_token_id
+from datamodules.vision.prompt_labels import special_ids
 
 LAYOUTS = ("obelics", "mmc4", "chat")  # chat: conversations with images (conversation_text)
 IMAGE = None  # an image's place among a document's parts
@@ -102,8 +102,6 @@ class InterleavedText:
         loss_before_first_image: bool = True,
         add_bos: bool = False,
     ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {name!r} has no EOS token to end a document with; set eos_token")
         token_id = tokenizer.convert_tokens_to_ids(image_token)
         if token_id is None or token_id == tokenizer.unk_token_id:
             raise ValueError(f"image_token {image_token!r} is not a token of tokenizer {name!r}")
@@ -112,12 +110,7 @@ class InterleavedText:
         self.tokenizer, self.max_text_len, self.num_image_tokens = tokenizer, max_text_len, num_image_tokens
         self.image_token, self.image_token_id = image_token, int(token_id)
         self.separator, self.loss_before_first_image = separator, loss_before_first_image
-        self.eos_id, self.pad_id = int(tokenizer.eos_token_id), pad_token_id(tokenizer, name)
-        self.bos: list[int] = []
-        if add_bos:
-            if tokenizer.bos_token_id is None:
-                raise ValueError(f"add_bos=True, but tokenizer {name!r} has no BOS token")
-            self.bos = [int(tokenizer.bos_token_id)]
+        self.eos_id, self.pad_id, self.bos = special_ids(tokenizer, name, add_bos, "a document")
 
     def render(self, parts: list[str | None]) -> str:
         """The document's text, each image as the image token."""

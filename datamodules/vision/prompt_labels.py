@@ -25,6 +25,19 @@ def pad_token_id(tokenizer: Any, name: str) -> int:
     raise ValueError(f"tokenizer {name!r} has neither a pad token nor an EOS token to pad with; set pad_token")
 
 
+def special_ids(tokenizer: Any, name: str, add_bos: bool, ended: str) -> tuple[int, int, list[int]]:
+    """The EOS id that ends ``ended`` (``"the answer"``, ``"a document"``), the pad id, and ``[BOS]``
+    where ``add_bos`` (else ``[]``); an error naming the token the tokenizer lacks."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {name!r} has no EOS token to end {ended} with; set eos_token")
+    bos: list[int] = []
+    if add_bos:
+        if tokenizer.bos_token_id is None:
+            raise ValueError(f"add_bos=True, but tokenizer {name!r} has no BOS token")
+        bos = [int(tokenizer.bos_token_id)]
+    return int(tokenizer.eos_token_id), pad_token_id(tokenizer, name), bos
+
+
 def placeholder_token_id(tokenizer: Any, name: str, image_token: str | None) -> int:
     """The id at image (or video) placeholder positions: ``image_token``'s, else the pad id."""
     if image_token is None:
@@ -69,20 +82,12 @@ class PromptAnswerLabels:
         template: Callable[[str], str] | None = None,
         add_bos: bool = False,
     ) -> None:
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer {name!r} has no EOS token to end the answer with; set eos_token")
+        self.eos_id, self.pad_id, self.bos = special_ids(tokenizer, name, template is None and add_bos, "the answer")
         self.tokenizer = tokenizer
         self.max_text_len = max_text_len
         self.num_image_tokens = num_image_tokens
         self.image_token_id = image_token_id
         self.template = template
-        self.eos_id = int(tokenizer.eos_token_id)
-        self.pad_id = pad_token_id(tokenizer, name)
-        self.bos: list[int] = []
-        if template is None and add_bos:
-            if tokenizer.bos_token_id is None:
-                raise ValueError(f"add_bos=True, but tokenizer {name!r} has no BOS token")
-            self.bos = [int(tokenizer.bos_token_id)]
         shortest = len(self.prompt_ids([""])[0][0]) + 1
         if max_text_len < shortest:
             raise ValueError(
