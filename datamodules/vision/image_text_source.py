@@ -334,7 +334,7 @@ class ImageTextSource(SourceSpec):
             if text is not None and pack_sequences:
                 return InterleavedRows(
                     dataset, split, self.layout, self.text_field, self.image_field, pixels, text, self.max_images,
-                    self.on_bad_sample, where, details, self.files, max_images_per_row=self.max_images_per_row,
+                    self.on_bad_sample, where, details, self.files, max_images_per_row=self.max_images_per_row, job=job,
                 )  # fmt: skip
             if text is not None:
                 return InterleavedSamples(

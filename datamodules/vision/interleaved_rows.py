@@ -16,6 +16,7 @@ from datamodules.plan.bad_samples import BadSample, BadSampleLog
 from datamodules.plan.hf_loading import tokenizer_threads
 from datamodules.plan.loader import IGNORE_INDEX
 from datamodules.plan.multipack import PackedRows, narrow_indices, row_layout
+from datamodules.plan.parallelism import Job
 from datamodules.storage.node_arrays import node_arrays
 from datamodules.vision.interleaved_samples import InterleavedSamples
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 COSTS_KIND = "document_costs-1"  # the node cache's folder for documents' lengths; its number: the format
 _MEASURED_AT_ONCE = 512
+_CHUNK = 1 << 16  # documents measured together, kept as one of the node's arrays
 # Why a document cannot be packed, by code in the node's ``unfit`` array (0: it can).
 UNFIT = {1: "malformed", 2: "too many images", 3: "over the row's budget alone", 4: "over the row's image cap alone"}
 
@@ -32,7 +34,8 @@ class InterleavedRows(InterleavedSamples):
     placeholders, BOS and EOS), at most ``max_images_per_row`` images a row.
 
     Every document's length and image count are measured once on the node (``node_arrays``: the
-    rows are read and their texts tokenized, no image is decoded) before the first pass is packed. A
+    rows are read and their texts tokenized, no image is decoded) before the first pass is packed,
+    in chunks the node's ranks share out among themselves (``job``: its node-local rank). A
     document that cannot be packed (malformed, more than ``max_images`` images, longer than a row
     alone) is refused at ``setup`` naming it, or left out of every pass (``on_bad_sample="skip"``),
     counted in ``left_out`` and logged. An image that does not decode is found when its row is read:
@@ -47,14 +50,16 @@ class InterleavedRows(InterleavedSamples):
 
     uses_passes = True  # rows are packed afresh every pass over the documents
 
-    def __init__(self, *args: Any, max_images_per_row: int | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_images_per_row: int | None, job: Job | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.bad_samples = BadSampleLog("left bad document %s (%s) out of its row, its room padding")
         self.total_seq_len = self.text.max_text_len
         self.max_images_per_row = max_images_per_row
         identity = (self.fingerprint, self.split.first, len(self.split))
         self.shared_as = hashlib.blake2b(repr(identity).encode(), digest_size=16).hexdigest()
-        unfit = node_arrays(COSTS_KIND, f"{self.shared_as}/measured", self._measure)["unfit"]
+        self.job = job
+        self.measured_here: list[int] = []  # the chunks this process measured (the rest: its node's other processes)
+        unfit = np.concatenate([chunk["unfit"] for chunk in self._measured()])
         self.left_out = int(np.count_nonzero(unfit))
         if self.left_out:
             self._refuse_or_log(unfit)
@@ -66,46 +71,65 @@ class InterleavedRows(InterleavedSamples):
         self.fingerprint = f"{self.fingerprint}:packed:{packed.fingerprint}"
         self.details = {**self.details, "documents": len(self.kept), "rows": len(packed)}
 
-    def _measure(self) -> dict[str, np.ndarray]:
-        """Each document's tokens and images, and why it cannot be packed (``UNFIT``'s code, 0: it can)."""
+    def _measured(self) -> list[dict[str, np.ndarray]]:
+        """Every chunk of ``_CHUNK`` documents measured (``_measure``), each once on the node: its
+        processes start at chunks spread by their node-local rank, so they measure different chunks
+        at once and map the others'."""
         n = len(self.split)
-        lengths = np.zeros(n, dtype=np.int32)
-        images = np.zeros(n, dtype=np.int32)
-        unfit = np.zeros(n, dtype=np.int8)
+        count = -(-n // _CHUNK)
+        per_node = max(1, self.job.size // self.job.nodes) if self.job is not None else 1
+        first = (self.job.local_rank % per_node) * count // per_node if self.job is not None else 0
+        found = {}
+        for chunk in tqdm([(first + k) % count for k in range(count)], f"{self.name}: measuring", disable=count < 4):
+
+            def measure(chunk: int = chunk) -> dict[str, np.ndarray]:
+                self.measured_here.append(chunk)
+                return self._measure(chunk * _CHUNK, min(n, (chunk + 1) * _CHUNK))
+
+            found[chunk] = node_arrays(COSTS_KIND, f"{self.shared_as}/measured-{chunk}", measure)
+        return [found[chunk] for chunk in range(count)]
+
+    def _measure(self, first: int, stop: int) -> dict[str, np.ndarray]:
+        """Documents ``[first, stop)``: each one's tokens and images, and why it cannot be packed
+        (``UNFIT``'s code, 0: it can)."""
         with tokenizer_threads():  # the texts tokenized on every core: each batch in one call
-            for start in tqdm(range(0, n, _MEASURED_AT_ONCE), f"{self.name}: measuring documents", disable=n < 10**5):
-                self._measure_batch(start, min(n, start + _MEASURED_AT_ONCE), lengths, images, unfit)
+            batches = [self._measure_batch(start, min(stop, start + _MEASURED_AT_ONCE))
+                       for start in range(first, stop, _MEASURED_AT_ONCE)]  # fmt: skip
+        lengths, images, unfit = (np.concatenate(column) for column in zip(*batches, strict=True))
         unfit[(unfit == 0) & (lengths > self.total_seq_len)] = 3
         if self.max_images_per_row is not None:
             unfit[(unfit == 0) & (images > self.max_images_per_row)] = 4
         return {"lengths": lengths, "images": images, "unfit": unfit}
 
-    def _measure_batch(self, start: int, stop: int, lengths: np.ndarray, images: np.ndarray, unfit: np.ndarray) -> None:
-        """``_measure`` of documents ``[start, stop)``, into its arrays."""
-        rows = self.split.rows(np.arange(start, stop)).tolist()
+    def _measure_batch(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lengths, images and ``UNFIT`` codes of documents ``[start, stop)``."""
+        lengths = np.zeros(stop - start, dtype=np.int32)
+        images = np.zeros(stop - start, dtype=np.int32)
+        unfit = np.zeros(stop - start, dtype=np.int8)
         parts: list[Any] = []
         counts: list[list[int]] = []
         measured: list[int] = []  # the documents whose length is measured: the rest are unfit already
-        for at, row in enumerate(self._texts_and_images(rows)):
+        for at, row in enumerate(self._texts_and_images(self.split.rows(np.arange(start, stop)).tolist())):
             try:
                 if isinstance(row, BadSample):
                     raise row
                 document, their_images = self.parts_of(*row)
-                images[start + at] = len(their_images)
+                images[at] = len(their_images)
                 if len(their_images) > self.max_images:
-                    unfit[start + at] = 2
+                    unfit[at] = 2
                     continue
                 counts.append(self.image_counts(their_images))
             except BadSample:
-                unfit[start + at] = 1
+                unfit[at] = 1
                 continue
             parts.append(document)
-            measured.append(start + at)
+            measured.append(at)
         for at, length in zip(measured, self.text.lengths(parts, counts), strict=True):
             if isinstance(length, BadSample):
                 unfit[at] = 1
             else:
                 lengths[at] = length
+        return lengths, images, unfit
 
     def _texts_and_images(self, rows: list[int]) -> list[tuple[Any, Any] | BadSample]:
         """The texts and images fields of dataset ``rows`` (one read for them all); a tar sample
@@ -157,7 +181,8 @@ class InterleavedRows(InterleavedSamples):
         if self._tables is None:
 
             def make() -> dict[str, np.ndarray]:
-                measured = node_arrays(COSTS_KIND, f"{self.shared_as}/measured", self._measure)
+                chunks = self._measured()
+                measured = {k: np.concatenate([c[k] for c in chunks]) for k in ("lengths", "images", "unfit")}
                 kept = np.flatnonzero(measured["unfit"] == 0)
                 return {"kept": narrow_indices(kept), **{k: measured[k][kept] for k in ("lengths", "images")}}
 
@@ -193,7 +218,8 @@ class InterleavedRows(InterleavedSamples):
         return self.packed.most_per_row
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_packed": None, "_tables": None}  # a worker maps the node's arrays itself
+        # A worker maps the node's arrays itself; the job's collectives stay in the rank.
+        return {**self.__dict__, "_packed": None, "_tables": None, "job": None}
 
     def __len__(self) -> int:
         return len(self.packed)

@@ -279,3 +279,56 @@ def test_an_image_index_out_of_range_is_refused_at_setup_naming_it_or_left_out_c
     rows_ = np.arange(len(dm._train))
     placed = np.concatenate(dm._train.documents(rows_, np.zeros(len(rows_), dtype=np.int64)))
     assert dm._train.left_out == 1 and sorted(placed.tolist()) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def measure_as_rank(local_rank: int, path: str, tokenizer: str, cache: str, start: object, out: object) -> None:
+    """Build the packed documents as node-local rank ``local_rank`` of 2 (chunks of 8 documents),
+    once both processes are ready; put the chunks it measured and the lengths it mapped in ``out``."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    os.environ["XDG_CACHE_HOME"] = cache
+    from datamodules import ImageTextSource
+    from datamodules.plan.parallelism import Job
+    from datamodules.vision import interleaved_rows
+
+    interleaved_rows._CHUNK = 8
+    measure = interleaved_rows.InterleavedRows._measure
+
+    def slowly(self: object, first: int, stop: int) -> dict:  # a slow tokenizer: 50 ms a chunk
+        time.sleep(0.05)
+        return measure(self, first, stop)
+
+    interleaved_rows.InterleavedRows._measure = slowly
+    source = ImageTextSource(path, tokenizer=tokenizer, layout="obelics", text_field="texts", image_field="images",
+                             image_token=IMAGE_TOKEN, num_image_tokens=3, image_size=SIDE)  # fmt: skip
+    trainer = SimpleNamespace(
+        strategy=object(), world_size=2, global_rank=local_rank, local_rank=local_rank, num_nodes=1
+    )
+    source.build(ROW, False, Job(trainer))  # the tokenizer and dataset loaded once before: both start together
+    start.wait()
+    train, _ = source.build(ROW, True, Job(trainer))
+    out.put((local_rank, train.measured_here, train.lengths.tolist()))
+
+
+def test_the_ranks_of_a_node_measure_different_chunks_and_map_each_others(tmp_path: Path, tokenizer: str) -> None:
+    import multiprocessing
+
+    path = obelics(tmp_path, random_documents(200, seed=5))
+    context = multiprocessing.get_context("spawn")
+    start, out = context.Barrier(2), context.Queue()
+    args = (str(path), tokenizer, str(tmp_path / "cache"), start, out)
+    processes = [context.Process(target=measure_as_rank, args=(rank, *args)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    found = dict((rank, (chunks, lengths)) for rank, chunks, lengths in (out.get(timeout=120) for _ in range(2)))
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    chunks = {rank: set(measured) for rank, (measured, _) in found.items()}
+    assert chunks[0] and chunks[1] and not chunks[0] & chunks[1]  # each chunk measured once, by one of them
+    assert chunks[0] | chunks[1] == set(range(25))  # 200 documents, chunks of 8
+    assert found[0][0][0] == 0 and found[1][0][0] == 12  # each starts at its own share of the 25
+    alone = packed(path, tokenizer)  # one process, its own cache: the same lengths
+    assert found[0][1] == found[1][1] == alone._train.lengths.tolist()
