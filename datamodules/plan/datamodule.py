@@ -542,17 +542,18 @@ class PlanDataModule(LightningDataModule):
     worker_start_method: str | None = None
 
     def spawn_reasons(self) -> list[str]:
-        """Why forking workers from this process would be unsafe (none by default: the sources re-open
-        their files and clients in each worker)."""
-        return []
+        """Why forking workers from this process would be unsafe: the training source's own reasons (a
+        video source in a process that decoded video, alone or in a mixture), else none (the sources
+        re-open their files and clients in each worker)."""
+        reasons = getattr(self._train, "spawn_reasons", None)
+        return reasons() if reasons is not None else []
 
     def _loader(self, dataset: PlanDataset, sampler: PlanSampler, ahead: int = 0) -> PlanDataLoader:
         options = self._loader_options()
         method = None
         if self.num_workers > 0:
-            method = start_method(
-                self.worker_start_method, self.spawn_reasons(), type(self).__name__, self.instead_of_fork
-            )
+            instead = getattr(self._train, "instead_of_fork", self.instead_of_fork)  # the source's choice first
+            method = start_method(self.worker_start_method, self.spawn_reasons(), type(self).__name__, instead)
         return self._stopping_together(
             PlanDataLoader(
                 dataset, sampler, self.num_workers, multiprocessing_context=method, in_order=self.in_order, **options

@@ -39,6 +39,16 @@ class JoinedSamples:
     def __len__(self) -> int:
         return int(self._ends[-1])
 
+    def spawn_reasons(self) -> list[str]:
+        """Why forking workers would be unsafe for any of the parts (a video source that decoded here)."""
+        return sorted({reason for part in self.parts for reason in getattr(part, "spawn_reasons", list)()})
+
+    @property
+    def instead_of_fork(self) -> str:
+        """How workers start where a part gives a reason not to fork: a forkserver if a part asks for one."""
+        asked = {getattr(part, "instead_of_fork", "spawn") for part in self.parts}
+        return "forkserver" if "forkserver" in asked else "spawn"
+
     def _by_part(self, indices: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """``(part, where in indices, indices within the part)`` for each part the indices fall in."""
         indices = np.asarray(indices, dtype=np.int64)

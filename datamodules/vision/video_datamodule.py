@@ -7,7 +7,6 @@ from typing import Any
 from datamodules.plan.arguments import require_int
 from datamodules.plan.bad_samples import BadSampleLog
 from datamodules.plan.datamodule import PlanDataModule
-from datamodules.vision.video_decoding import decoded_in_this_process
 from datamodules.vision.video_samples import VideoSamples
 from datamodules.vision.video_source import VideoSource
 
@@ -120,15 +119,6 @@ class VideoDataModule(PlanDataModule):
             test_fraction=test_fraction,
         )
         self.save_hyperparameters(ignore=["storage_options"])  # credentials stay out of checkpoints
-
-    instead_of_fork = "forkserver"  # the reason below holds in every process that decoded: start workers fast
-
-    def spawn_reasons(self) -> list[str]:
-        """A process that has decoded video (validation or a run with ``num_workers=0`` before this
-        loader, or the user's own code) does not fork its workers: FFmpeg's state does not survive it."""
-        if decoded_in_this_process():
-            return ["this process has decoded video with PyAV, whose FFmpeg threads and locks a fork copies"]
-        return []
 
     def source_specs(self) -> list[VideoSource]:
         return [self.source]

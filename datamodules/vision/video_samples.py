@@ -20,7 +20,7 @@ from datamodules.vision.images import ImagePixels, ResizeImage
 from datamodules.vision.joined_samples import JoinedSamples
 from datamodules.vision.planned_files import PlannedFiles
 from datamodules.vision.prompt_labels import PromptAnswerLabels, text_value
-from datamodules.vision.video_decoding import ClipBytes, read_frames
+from datamodules.vision.video_decoding import ClipBytes, decoded_in_this_process, read_frames
 from datamodules.vision.webdataset_rows import fetch_each, in_a_bucket
 
 BROKEN_CLIP_POLICIES = ("mask", "raise")
@@ -37,6 +37,14 @@ class VideoSamples(PlannedFiles):
 
     batches_per_message = 1  # a decoded batch is worth a message of its own between processes
     uses_sample_keys = True  # random frame offsets draw from the sample's plan key
+    instead_of_fork = "forkserver"  # the reason below holds in every process that decoded: start workers fast
+
+    def spawn_reasons(self) -> list[str]:
+        """A process that has decoded video (validation or a run with ``num_workers=0`` before this
+        loader, or the user's own code) does not fork its workers: FFmpeg's state does not survive it."""
+        if decoded_in_this_process():
+            return ["this process has decoded video with PyAV, whose FFmpeg threads and locks a fork copies"]
+        return []
 
     def __init__(
         self,

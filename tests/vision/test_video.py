@@ -317,3 +317,27 @@ def test_a_test_manifest_and_a_test_fraction_are_evaluated_once_by_trainer_test(
     model = RecordingModel()
     quiet_trainer().test(model, datamodule=make_dm(root, tokenizer, val_fraction=0.2, test_fraction=0.1))
     assert len(model.test_rows) == 2
+
+
+def test_a_process_that_decoded_video_starts_a_mixtures_workers_from_a_forkserver(
+    tmp_path: Path, tokenizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datamodules.vision import video_decoding
+
+    common = {"image_size": SIZE, "max_frames": FRAMES, "num_video_tokens": TOKENS, "frame_options": {"fps": 2.0}}
+    sources = [MixtureComponent(n, 0.5, VideoSource(str(video_folder(tmp_path / n, 4)), tokenizer, **common))
+               for n in "ab"]  # fmt: skip
+    for dm in (
+        ready(MixtureDataModule(sources, TEXT_LEN, 2, num_workers=1)),
+        ready(make_dm(tmp_path / "a", tokenizer)),
+    ):
+        dm.num_workers = 1
+        monkeypatch.setattr(video_decoding, "_DECODED_IN", None)  # nothing decoded in this process yet
+        assert dm.spawn_reasons() == [] and dm.train_dataloader().multiprocessing_context is None  # forked
+        dm.num_workers = 0
+        next(iter(dm.train_dataloader()))  # decoded in this process
+        dm.num_workers = 1
+        assert dm.spawn_reasons() == [
+            "this process has decoded video with PyAV, whose FFmpeg threads and locks a fork copies"
+        ]
+        assert dm.train_dataloader().multiprocessing_context.get_start_method() == "forkserver"
