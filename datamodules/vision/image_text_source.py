@@ -166,6 +166,15 @@ class ImageTextSource(SourceSpec):
                 raise ValueError(f"layout={self.layout!r} has no prompt: prompt and prompt_field are for pairs")
             if self.processor is None and self.image_token is None:
                 raise ValueError(f"layout={self.layout!r} needs image_token: the token each image's placeholders are")
+        if self.layout == "chat":  # the chat template renders the whole conversation
+            given = {"add_bos": self.add_bos, "separator": self.separator != "\n\n"}
+            given["loss_before_first_image"] = not self.loss_before_first_image
+            clash = [option for option, set_ in given.items() if set_]
+            if clash:
+                raise ValueError(
+                    f"{clash} cannot be combined with layout='chat': the chat template renders the conversation "
+                    "and labels are on the assistant's tokens"
+                )
         self.files = RemoteFiles(
             self.storage_options, self.file_cache_dir, self.file_cache_bytes, self.file_cache_policy
         )

@@ -213,3 +213,11 @@ def test_a_template_that_cannot_place_images_is_refused_at_setup(chats: Path, pr
                              num_image_tokens=4, max_text_len=64, batch_size=2)  # fmt: skip
     with pytest.raises(ValueError, match="does not render content parts"):
         dm.setup("fit")
+
+
+@pytest.mark.parametrize("option", [{"add_bos": True}, {"separator": " "}, {"loss_before_first_image": False}])
+def test_document_options_are_refused_for_conversations_naming_them(chats: Path, option: dict) -> None:
+    with pytest.raises(ValueError, match=rf"\['{next(iter(option))}'\] cannot be combined with layout='chat'"):
+        ImageTextDataModule(str(chats), tokenizer="x", layout="chat", text_field="messages", image_field="images",
+                            image_token="<image>", num_image_tokens=4, max_text_len=64, batch_size=2,
+                            **option)  # fmt: skip
