@@ -301,6 +301,10 @@ class ImageTextSource(SourceSpec):
         self, seq_len: int, pack_sequences: bool, job: Job | None = None
     ) -> tuple[ImageTextSamples, dict[str, ImageTextSamples]]:
         """Training samples and held-out samples by role, of ``seq_len`` tokens (``max_text_len``) each."""
+        if self.max_images_per_row is not None and not pack_sequences:
+            raise ValueError(
+                f"max_images_per_row={self.max_images_per_row} caps packed rows: it needs pack_sequences=True"
+            )
         if pack_sequences and self.layout == "pairs":
             raise ValueError(
                 "image-text pairs are not packed: pack_sequences is for interleaved documents (layout 'obelics' "

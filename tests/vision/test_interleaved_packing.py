@@ -252,6 +252,11 @@ def test_packing_options_that_cannot_hold_are_refused_with_the_value(tmp_path: P
     common = {"tokenizer": tokenizer, "max_text_len": 32, "batch_size": 2, "num_image_tokens": 2}
     with pytest.raises(ValueError, match="max_images_per_row is for packed interleaved documents"):
         ImageTextDataModule("x", max_images_per_row=4, **common)
+    unpacked = ImageTextDataModule(str(obelics(tmp_path / "one", [["a", 0]] * 4)), layout="obelics",
+                                   image_token=IMAGE_TOKEN, text_field="texts", image_field="images",
+                                   max_images_per_row=4, **common)  # fmt: skip
+    with pytest.raises(ValueError, match="max_images_per_row=4 caps packed rows: it needs pack_sequences=True"):
+        unpacked.setup("fit")
     with pytest.raises(ValueError, match="max_images_per_row must be"):
         ImageTextDataModule("x", layout="obelics", image_token=IMAGE_TOKEN, max_images_per_row=0, **common)
     folder = obelics(tmp_path, [["a", 0, "b", 1]] * 4)
