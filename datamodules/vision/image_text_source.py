@@ -270,7 +270,7 @@ class ImageTextSource(SourceSpec):
             tokenizer = inputs.tokenizer if self.tokenizer is None else load_pretrained("tokenizer", self.tokenizer)
             for what, ours, theirs in (
                 ("image_size", self.image_size, None if inputs.dynamic else inputs.pixel_shape[-1]),
-                ("num_image_tokens", self.num_image_tokens, inputs.num_image_tokens),
+                ("num_image_tokens", self.num_image_tokens, inputs.num_image_tokens or "a count by image size"),
             ):
                 if ours is not None and ours != theirs:
                     raise ValueError(f"{what}={ours}, but processor {self.processor!r} gives {theirs}")
