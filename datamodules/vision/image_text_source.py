@@ -157,7 +157,9 @@ class ImageTextSource(SourceSpec):
         if self.max_images_per_row is not None:
             require_int("max_images_per_row", self.max_images_per_row, 1)
             if self.layout == "pairs":
-                raise ValueError("max_images_per_row is for packed interleaved documents (layout 'obelics' or 'mmc4')")
+                raise ValueError(
+                    "max_images_per_row is for packed interleaved documents (layout 'obelics', 'mmc4' or 'chat')"
+                )
         if self.layout not in ("pairs", *LAYOUTS):
             raise ValueError(f"layout must be one of {('pairs', *LAYOUTS)}, got {self.layout!r}")
         require_int("max_images", self.max_images, 1)
@@ -307,8 +309,8 @@ class ImageTextSource(SourceSpec):
             )
         if pack_sequences and self.layout == "pairs":
             raise ValueError(
-                "image-text pairs are not packed: pack_sequences is for interleaved documents (layout 'obelics' "
-                "or 'mmc4')"
+                "image-text pairs are not packed: pack_sequences is for interleaved documents (layout 'obelics', "
+                "'mmc4' or 'chat')"
             )
         pixels, labels, tokenizer = self._pixels_and_labels(seq_len)
         fields = ImageTextFields(self.image_field, self.text_field, self.prompt_field, self.prompt)

@@ -130,8 +130,8 @@ class InterleavedSamples(PlannedFiles):
             raise BadSample(f"it holds {len(images)} images, more than max_images={self.max_images}")
         if isinstance(self.pixels, ProcessorInputs):  # the processor's pixels, all of the document's at once
             decoded = [read_image(*image_reference(v), files=self.files) for v in images]
-            fixed = [self.text.num_image_tokens] * len(images)
-            counts = self.pixels.token_counts([image.size for image in decoded]) if self.dynamic else fixed
+            # By the decoded sizes: no header read again.
+            counts = self.pixels.token_counts([i.size for i in decoded]) if self.dynamic else self.image_counts(images)
             arrays, kept = self.text.encode(parts, counts)
             return *self.pixels.processed(decoded[:kept]), arrays
         arrays, kept = self.text.encode(parts, self.image_counts(images))

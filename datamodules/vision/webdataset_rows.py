@@ -173,7 +173,7 @@ class WebDatasetRows:
             found = members[name]
             data = span[found.data : found.data + found.size]
             if field in self.media and json_name is None:
-                out[field] = {"bytes": data, "path": f"{self.describe(row)}.{name}"}
+                out[field] = self._media(row, span, found, name)
             elif json_name is not None:
                 try:
                     value = json.loads(data)
@@ -190,6 +190,10 @@ class WebDatasetRows:
                     raise BadSample(f"its {name} member is not UTF-8 text ({err})") from None
         return out
 
+    def _media(self, row: int, span: bytes, member: Member, field: str) -> dict[str, Any]:
+        """A media member as a media column's value: its bytes, and its path naming shard, key and field."""
+        return {"bytes": span[member.data : member.data + member.size], "path": f"{self.describe(row)}.{field}"}
+
     def _named_members(self, row: int, span: bytes, members: dict[str, Member], value: Any, where: str) -> Any:
         """A ``.json`` list naming the sample's image members in document order (``["0.jpg", null,
         "1.png"]``, OBELICS's; or entries ``{"image": "0.jpg", ...}``, MMC4's), each name as the
@@ -201,8 +205,7 @@ class WebDatasetRows:
             field = name.removeprefix(f"{self.shards.key(row)}.").lower()
             if field not in members:
                 raise BadSample(f"its {where} names member {name!r}, which it does not have")
-            found = members[field]
-            return {"bytes": span[found.data : found.data + found.size], "path": f"{self.describe(row)}.{field}"}
+            return self._media(row, span, members[field], field)
 
         if not isinstance(value, list):
             raise BadSample(f"its {where}'s image list is a {type(value).__name__}, not a list of member names")
